@@ -1,0 +1,59 @@
+# Two commands do everything: `make demo` and `make test`. Both create .venv and install first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ROOT := $(CURDIR)
+
+export AIRFLOW_HOME ?= $(ROOT)/.airflow
+export AIRFLOW__CORE__DAGS_FOLDER := $(ROOT)/dags
+export AIRFLOW__CORE__PLUGINS_FOLDER := $(ROOT)/plugins
+export AIRFLOW__CORE__LOAD_EXAMPLES := False
+export MLFLOW_TRACKING_URI ?= sqlite:///$(ROOT)/var/mlflow/mlflow.db
+export PYTHONPATH := $(ROOT)/plugins$(if $(PYTHONPATH),:$(PYTHONPATH))
+export GLOO_SOCKET_IFNAME ?= lo
+# Parquet/GX/MLflow print progress bars and telemetry notices we do not want in task logs.
+export GX_ANALYTICS_ENABLED := False
+export MLFLOW_ENABLE_TELEMETRY := false
+export DO_NOT_TRACK := true
+
+.PHONY: install demo test airflow-up airflow-down mlflow-ui compare clean help
+
+help:
+	@echo "make demo         install (first time), make data, run one full DAG run, print where to look"
+	@echo "make test         install (first time) and run the test suite"
+	@echo "make airflow-up   start the Airflow web UI + scheduler on 127.0.0.1:8080 (admin password printed)"
+	@echo "make airflow-down stop them"
+	@echo "make mlflow-ui    MLflow UI on 127.0.0.1:5000 over the project's tracking store"
+
+$(STAMP): requirements.txt constraints.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first, alone: pip then takes the CPU build and never resolves a CUDA wheel.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements.txt -c constraints.txt
+	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip check
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+airflow-up: $(STAMP)
+	$(BIN)/python scripts/airflow_local.py up
+
+airflow-down:
+	$(BIN)/python scripts/airflow_local.py down
+
+mlflow-ui: $(STAMP)
+	mkdir -p var/mlflow
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server --host 127.0.0.1 --port 5000 \
+	  --backend-store-uri $(MLFLOW_TRACKING_URI) --default-artifact-root $(ROOT)/var/mlflow/artifacts
+
+clean:
+	rm -rf var .airflow

@@ -1,0 +1,151 @@
+"""Bodies of the ``distributed_training`` tasks. Each takes plain values and returns a small dict
+for XCom (run ids, URIs, numbers: never tensors or DataFrames). Heavy libraries are imported
+inside the functions so that parsing the DAG imports none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk.exceptions import AirflowFailException
+
+from training_airflow import launcher, settings
+
+log = logging.getLogger(__name__)
+
+# Params that become TrainConfig fields verbatim.
+TRAIN_FIELDS = ("model", "steps", "batch_size", "lr", "seed", "checkpoint_every")
+
+
+def train_config(params: dict[str, Any], *, checkpoint_dir: str = "-", output_dir: str = "") -> Any:
+    """Params -> TrainConfig, refusing bad values (including cross-field rules) with the field name."""
+    from training.config import ConfigError, TrainConfig
+
+    try:
+        cfg = TrainConfig(**{k: params[k] for k in TRAIN_FIELDS}, dataset_uri=settings.resolve_path(params["dataset_uri"]),
+                          checkpoint_dir=checkpoint_dir, output_dir=output_dir)
+        cfg.check_world_size(int(params["world_size"]))
+    except ConfigError as e:
+        raise AirflowFailException(f"invalid run parameters: {e}") from None
+    return cfg
+
+
+def _logger(run_id: str):
+    from training.tracking import RunLogger
+
+    return RunLogger(run_id)
+
+
+def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> dict[str, Any]:
+    """Open (or re-open) this DAG run's MLflow run, check the config, then run the data gate."""
+    settings.ensure_tracking_uri()
+    from training.config import ConfigError, check_path_part
+    from training.tracking import open_run
+
+    try:
+        experiment = check_path_part("experiment", params["experiment"])
+    except ConfigError as e:
+        raise AirflowFailException(str(e)) from None
+    train_config(params)  # cross-field rules fail here, before any rank starts
+
+    run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=dag_run_id,
+                      tags={"backend": "local", "world_size": str(params["world_size"]), "model": params["model"]})
+    logger = _logger(run_id)
+    log.info("MLflow run %s (experiment %s)", run_id, experiment)
+
+    from training.validation import DataValidationError, validate
+
+    dataset = settings.resolve_path(params["dataset_uri"])
+    try:
+        report = validate(dataset)
+    except DataValidationError as e:
+        logger.set_tags({"data.validation": "failed"})
+        logger.log_text(json.dumps(e.report, indent=2), "data_validation.json")
+        logger.finish("FAILED")
+        raise AirflowFailException(str(e)) from None
+    logger.set_tags({"data.validation": "passed", "data.fingerprint": report["fingerprint"],
+                     "data.rows_train": report["rows"]["train"], "dataset_uri": dataset})
+    logger.log_text(json.dumps(report, indent=2), "data_validation.json")
+    log.info("data gate passed: %s rows, fingerprint %s", report["rows"], report["fingerprint"][:16])
+    return {"mlflow_run_id": run_id, "dataset_fingerprint": report["fingerprint"]}
+
+
+def train(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
+    """Start torchrun with ``world_size`` ranks; a retry resumes from the latest local checkpoint."""
+    settings.ensure_tracking_uri()
+    run_id = handoff["mlflow_run_id"]
+    run_dir = settings.work_dir() / run_id  # keyed by the MLflow run: stable across task retries
+    cfg = train_config(params, checkpoint_dir=str(run_dir / "checkpoints"), output_dir=str(run_dir / "output"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "train_config.json"
+    config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    nproc = int(params["world_size"])
+    cmd = launcher.torchrun_command(nproc=nproc, config_path=config_path, max_restarts=int(params["max_restarts"]),
+                                    port=launcher.free_port())
+    env = launcher.rank_env(nproc, {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]})
+    result = launcher.run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT)
+    if result.returncode != 0:
+        raise launcher.TrainingFailed(launcher.explain_failure(result))
+
+    summary = json.loads((run_dir / "output" / "train_summary.json").read_text())
+    _logger(run_id).log_metrics({"pipeline/torchrun_wall_s": result.wall_s}, step=summary["final_step"])
+    return {"mlflow_run_id": run_id, "checkpoint_path": summary["checkpoint_path"],
+            "final_step": summary["final_step"], "torchrun_wall_s": result.wall_s}
+
+
+def upload_checkpoint(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
+    """Commit the final checkpoint to the store: objects, then manifest.json, then `latest`."""
+    settings.ensure_tracking_uri()
+    from training.storage import StoreError, upload_checkpoint as upload
+
+    run_id = handoff["mlflow_run_id"]
+    try:
+        c = upload(handoff["checkpoint_path"], params["store_uri"], experiment=params["experiment"], run_id=run_id)
+    except StoreError as e:
+        raise RuntimeError(f"checkpoint upload failed: {e}") from None
+    log.info("committed %s (%d objects uploaded, %d already there) in %.2fs", c.uri, c.uploaded, c.skipped, c.seconds)
+    logger = _logger(run_id)
+    logger.set_tags({"checkpoint.uri": c.uri})
+    logger.log_metrics({"ckpt/upload_s": c.seconds}, step=handoff["final_step"])
+    return {**handoff, "checkpoint_uri": c.uri}
+
+
+def evaluate(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
+    """Fetch the committed checkpoint back, verify every sha256, score the validation split."""
+    settings.ensure_tracking_uri()
+    from training.evaluate import run
+
+    run_id = handoff["mlflow_run_id"]
+    settings.work_dir().mkdir(parents=True, exist_ok=True)
+    result = run(store_uri=params["store_uri"], experiment=params["experiment"], run_id=run_id,
+                 dataset_uri=settings.resolve_path(params["dataset_uri"]), work_dir=str(settings.work_dir()))
+    logger = _logger(run_id)
+    logger.log_metrics({"eval/loss": result["eval/loss"], "eval/accuracy": result["eval/accuracy"]}, step=result["step"])
+    if result["warnings"]:
+        logger.set_tags({"checkpoint.fallback": "; ".join(result["warnings"])})
+    log.info("eval at step %d: loss %.4f, accuracy %.4f (reachable %.3f, chance %.3f)", result["step"],
+             result["eval/loss"], result["eval/accuracy"], result["bayes_accuracy"], result["chance_accuracy"])
+    return {**handoff, "eval_loss": result["eval/loss"], "eval_accuracy": result["eval/accuracy"]}
+
+
+def report(params: dict[str, Any], handoff: dict[str, Any], *, dag_run_start: datetime | None) -> dict[str, Any]:
+    """Close the MLflow run and record how much of the DAG's wall time was orchestration."""
+    settings.ensure_tracking_uri()
+    run_id = handoff["mlflow_run_id"]
+    logger = _logger(run_id)
+    metrics = {}
+    if dag_run_start is not None:
+        wall = (datetime.now(timezone.utc) - dag_run_start).total_seconds()
+        metrics = {"pipeline/dag_wall_s": wall, "pipeline/orchestration_overhead_s": wall - handoff["torchrun_wall_s"]}
+        logger.log_metrics(metrics, step=handoff["final_step"])
+    logger.finish("FINISHED")
+    summary = {**handoff, **metrics, "finished_unix": time.time()}
+    log.info("run summary: %s", json.dumps(summary))
+    return summary

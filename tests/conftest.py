@@ -1,0 +1,107 @@
+"""Shared fixtures. The environment is set at import time, before anything imports Airflow or
+MLflow: a throw-away AIRFLOW_HOME with SQLite, a throw-away MLflow SQLite store, this project's
+dags/ and plugins/ folders. Servers the tests need (moto's S3 server) bind 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_TMP = Path(tempfile.mkdtemp(prefix="dtp-tests-"))
+
+os.environ.update(
+    AIRFLOW_HOME=str(_TMP / "airflow"),
+    AIRFLOW__CORE__DAGS_FOLDER=str(ROOT / "dags"),
+    AIRFLOW__CORE__PLUGINS_FOLDER=str(ROOT / "plugins"),
+    AIRFLOW__CORE__LOAD_EXAMPLES="False",
+    AIRFLOW__CORE__UNIT_TEST_MODE="False",
+    MLFLOW_TRACKING_URI=f"sqlite:///{_TMP / 'mlflow' / 'mlflow.db'}",
+    TRAINING_VAR_DIR=str(_TMP / "var"),
+    GLOO_SOCKET_IFNAME="lo",
+    GX_ANALYTICS_ENABLED="False",
+    MLFLOW_ENABLE_TELEMETRY="false",
+    DO_NOT_TRACK="true",
+    # Never let a test reach a real AWS account: dummy credentials, explicit loopback endpoints.
+    AWS_ACCESS_KEY_ID="testing",
+    AWS_SECRET_ACCESS_KEY="testing",
+    AWS_DEFAULT_REGION="us-east-1",
+)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), os.environ.get("PYTHONPATH")]))
+(_TMP / "mlflow").mkdir(parents=True, exist_ok=True)
+sys.path.insert(0, str(ROOT / "plugins"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def tmp_root() -> Path:
+    return _TMP
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_root: Path) -> Path:
+    from training.datasets import make_teacher_dataset
+
+    root = tmp_root / "data" / "teacher"
+    make_teacher_dataset(root, n_train=8_000, n_val=2_000, seed=0)
+    return root
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> None:
+    """A migrated Airflow metadata DB (SQLite) in the test AIRFLOW_HOME."""
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, stdout=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def s3_server():
+    """moto's S3 server as a real process on 127.0.0.1 (real HTTP, real boto3 client).
+
+    Yields a dict with the endpoint and a ``stop()`` for fault-injection tests."""
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    old = os.environ.get("AWS_ENDPOINT_URL")
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    try:
+        wait_for_port(port)
+        yield {"endpoint": endpoint, "process": proc}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        if old is None:
+            os.environ.pop("AWS_ENDPOINT_URL", None)
+        else:
+            os.environ["AWS_ENDPOINT_URL"] = old
+
+
+def load_dag(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"dag_{name}", ROOT / "dags" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)()

@@ -1,0 +1,99 @@
+"""The whole DAG, for real: Airflow's dag.test() (SQLite metadata DB), torchrun with 2 gloo ranks,
+MLflow on a SQLite store, and the checkpoint store on moto's S3 server over HTTP on 127.0.0.1."""
+
+import hashlib
+import json
+import shutil
+
+import boto3
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import load_dag
+
+STEPS = 200
+
+
+def _ti_states(dag_run):
+    return {ti.task_id: str(ti.state).rsplit(".", 1)[-1].lower() for ti in dag_run.get_task_instances()}
+
+
+def _mlflow_run(dag_run, experiment):
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`airflow.dag_run_id` = '{dag_run.run_id}'")
+    assert len(runs) == 1, "one DAG run must map to exactly one MLflow run"
+    return client, runs[0]
+
+
+@pytest.mark.slow
+def test_full_pipeline_on_s3(airflow_db, dataset, s3_server, tmp_path):
+    s3 = boto3.client("s3", endpoint_url=s3_server["endpoint"])
+    s3.create_bucket(Bucket="checkpoints")
+    conf = {"dataset_uri": str(dataset), "experiment": "e2e", "world_size": 2, "steps": STEPS, "batch_size": 64,
+            "lr": 3e-3, "checkpoint_every": 50, "store_uri": "s3://checkpoints/team"}
+
+    dag_run = load_dag("distributed_training").test(run_conf=conf)
+
+    assert _ti_states(dag_run) == {t: "success" for t in ("validate_data", "train", "upload_checkpoint", "evaluate", "report")}
+    client, run = _mlflow_run(dag_run, "e2e")
+    assert run.info.status == "FINISHED"
+    p, m, tags = run.data.params, run.data.metrics, run.data.tags
+    assert (p["steps"], p["batch_size"], p["world_size"], p["model"], p["backend"]) == (str(STEPS), "64", "2", "mlp", "gloo")
+    assert tags["airflow.dag_id"] == "distributed_training" and tags["airflow.dag_run_id"] == dag_run.run_id
+    assert tags["data.validation"] == "passed"
+
+    loss = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [h.step for h in loss] == list(range(10, STEPS + 1, 10)), "one point per log interval, no duplicates"
+    assert loss[-1].value < 0.8 * loss[0].value, [h.value for h in loss]
+    for name in ("perf/samples_per_s", "comm/s_per_step"):
+        assert all(h.value > 0 for h in client.get_metric_history(run.info.run_id, name)), name
+    # The teacher dataset has 10% label noise over 4 classes: the best reachable accuracy is
+    # 1 - 0.1 * 3/4 = 0.925 and chance is 0.25. 200 steps of a small MLP reliably get past 0.70,
+    # far above chance and a loose bound below the ceiling (it scores about 0.8 here).
+    meta = json.loads((dataset / "dataset.json").read_text())
+    assert meta["bayes_accuracy"] == pytest.approx(0.925)
+    assert 0.70 <= m["eval/accuracy"] <= meta["bayes_accuracy"] + 0.03
+    assert m["eval/loss"] < loss[0].value
+
+    # The bucket holds the final checkpoint, and the manifest's sha256 values match the objects.
+    prefix = f"team/e2e/{run.info.run_id}"
+    assert tags["checkpoint.uri"] == f"s3://checkpoints/{prefix}/step_{STEPS:08d}"
+    manifest = json.loads(s3.get_object(Bucket="checkpoints", Key=f"{prefix}/step_{STEPS:08d}/manifest.json")["Body"].read())
+    assert manifest["step"] == STEPS and manifest["world_size"] == 2
+    names = {f["path"] for f in manifest["files"]}
+    assert {"model.safetensors", "model_config.json", "COMPLETE", ".metadata"} <= names and len(names) == 6
+    for f in manifest["files"]:
+        body = s3.get_object(Bucket="checkpoints", Key=f"{prefix}/step_{STEPS:08d}/{f['path']}")["Body"].read()
+        assert (len(body), hashlib.sha256(body).hexdigest()) == (f["size"], f["sha256"]), f["path"]
+    latest = json.loads(s3.get_object(Bucket="checkpoints", Key=f"{prefix}/latest")["Body"].read())
+    assert latest["step_dir"] == f"step_{STEPS:08d}"
+
+
+@pytest.mark.slow
+def test_bad_data_stops_the_run_before_training(airflow_db, dataset, tmp_path, tmp_root):
+    bad = tmp_path / "bad"
+    shutil.copytree(dataset, bad)
+    path = bad / "train" / "part-00000.parquet"
+    df = pq.read_table(path).to_pandas()
+    df.loc[:49, "f5"] = np.nan
+    df.loc[100:102, "label"] = 9
+    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), path)
+
+    dag_run = load_dag("distributed_training").test(
+        run_conf={"dataset_uri": str(bad), "experiment": "e2e-bad", "steps": 5, "store_uri": (tmp_path / "s").as_uri()})
+
+    states = _ti_states(dag_run)
+    assert states["validate_data"] == "failed"
+    assert all(states[t] == "upstream_failed" for t in ("train", "upload_checkpoint", "evaluate", "report")), states
+    client, run = _mlflow_run(dag_run, "e2e-bad")
+    assert run.info.status == "FAILED" and run.data.tags["data.validation"] == "failed"
+    verdict = json.loads(open(client.download_artifacts(run.info.run_id, "data_validation.json")).read())
+    assert "train: expect_column_values_to_not_be_null(f5): 50 bad values" in verdict["failures"]
+    assert any(f.startswith("train: expect_column_values_to_be_in_set(label): 3 bad values") for f in verdict["failures"])
+    # No rank ever started: the train task never created its work folder.
+    assert not (tmp_root / "var" / "work" / run.info.run_id).exists()
+    assert not (tmp_path / "s").exists()

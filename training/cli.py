@@ -1,0 +1,120 @@
+"""`python -m training <command>`: make-data, validate, train, upload, evaluate.
+
+Exit codes other tools script against:
+  0  success
+  2  bad input (config, CLI arguments, data that failed validation): fix the input, do not retry
+  1  anything else (a crash, a store that is down): a retry may help
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from training.config import FIELD_HELP, ConfigError
+
+EXIT_BAD_INPUT = 2
+
+
+def _cmd_make_data(a: argparse.Namespace) -> int:
+    from training.datasets import make_teacher_dataset
+
+    meta = make_teacher_dataset(a.out, n_train=a.train_rows, n_val=a.val_rows, n_features=a.features,
+                                n_classes=a.classes, label_noise=a.label_noise, seed=a.seed)
+    print(json.dumps({"dataset_uri": a.out, "bayes_accuracy": meta["bayes_accuracy"], "rows": meta["rows"]}))
+    return 0
+
+
+def _cmd_validate(a: argparse.Namespace) -> int:
+    from training.validation import DataValidationError, validate
+
+    try:
+        report = validate(a.dataset_uri, min_rows=a.min_rows)
+    except DataValidationError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(json.dumps(report))
+    return 0
+
+
+def _cmd_train(a: argparse.Namespace) -> int:
+    from training.config import load_train_config
+
+    cfg = load_train_config(a.config, a.set)
+    if a.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+    from training.train import run
+
+    run(cfg)
+    return 0
+
+
+def _cmd_upload(a: argparse.Namespace) -> int:
+    from training.storage import upload_checkpoint
+
+    c = upload_checkpoint(a.checkpoint, a.store_uri, experiment=a.experiment, run_id=a.run_id)
+    print(json.dumps({"uri": c.uri, "uploaded": c.uploaded, "skipped": c.skipped, "seconds": round(c.seconds, 3)}))
+    return 0
+
+
+def _cmd_evaluate(a: argparse.Namespace) -> int:
+    from training.evaluate import run
+
+    print(json.dumps(run(store_uri=a.store_uri, experiment=a.experiment, run_id=a.run_id, dataset_uri=a.dataset_uri)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("make-data", help="write a dataset whose reachable accuracy is known")
+    s.add_argument("--out", required=True, help="folder to write (train/, validation/, dataset.json)")
+    s.add_argument("--train-rows", type=int, default=20_000, help="rows in the train split")
+    s.add_argument("--val-rows", type=int, default=4_000, help="rows in the validation split")
+    s.add_argument("--features", type=int, default=16, help="number of feature columns")
+    s.add_argument("--classes", type=int, default=4, help="number of classes")
+    s.add_argument("--label-noise", type=float, default=0.1, help="share of labels replaced at random")
+    s.add_argument("--seed", type=int, default=0, help="seed of the teacher network and the samples")
+    s.set_defaults(fn=_cmd_make_data)
+
+    s = sub.add_parser("validate", help="run the Great Expectations data gate on a dataset")
+    s.add_argument("--dataset-uri", required=True, help="dataset folder")
+    s.add_argument("--min-rows", type=int, default=100, help="fewest rows a split may have")
+    s.set_defaults(fn=_cmd_validate)
+
+    fields = "\n".join(f"  {k:22s} {v}" for k, v in FIELD_HELP.items())
+    s = sub.add_parser("train", help="train (run under torchrun for several ranks)",
+                       description=f"Config fields (--set key=value):\n{fields}",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--config", help="JSON file with config fields")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config field")
+    s.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    s.set_defaults(fn=_cmd_train)
+
+    s = sub.add_parser("upload", help="commit a local checkpoint folder to the store (manifest last)")
+    s.add_argument("--checkpoint", required=True, help="local step_XXXXXXXX folder with a COMPLETE marker")
+    s.add_argument("--store-uri", required=True, help="file:///folder or s3://bucket/prefix")
+    s.add_argument("--experiment", required=True, help="experiment name (first key part)")
+    s.add_argument("--run-id", required=True, help="MLflow run id (second key part)")
+    s.set_defaults(fn=_cmd_upload)
+
+    s = sub.add_parser("evaluate", help="fetch, verify and score the run's latest checkpoint")
+    s.add_argument("--store-uri", required=True, help="file:///folder or s3://bucket/prefix")
+    s.add_argument("--experiment", required=True, help="experiment name")
+    s.add_argument("--run-id", required=True, help="MLflow run id")
+    s.add_argument("--dataset-uri", required=True, help="dataset folder (its validation split is scored)")
+    s.set_defaults(fn=_cmd_evaluate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT

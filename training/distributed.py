@@ -1,0 +1,130 @@
+"""Process-group set-up and ``parallelize(model, cfg)``: parallelism applied from outside the model."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init(timeout_s: int) -> DistInfo:
+    """Join the process group torchrun set up (env://); a single plain process also works."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if "RANK" not in os.environ:
+        # Run by hand without torchrun: a one-rank group on loopback keeps one code path.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device if backend == "nccl" else None)
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CommTimer:
+    """Wall time during which at least one gradient collective was in flight.
+
+    How it is measured: the DDP comm hook stamps ``perf_counter()`` when DDP hands a bucket to
+    the hook (the all-reduce is launched right then) and again in the future's completion
+    callback. Buckets overlap in time, so summing them would overcount; we take the length of the
+    union of the [launch, done] intervals of one step. It includes time the collective waited
+    for the slowest peer, which is communication cost as a user experiences it. What part of it
+    was hidden behind backward compute is a separate question (comm/exposed_fraction, later).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._intervals: list[tuple[float, float]] = []
+        self.bytes = 0
+
+    def record(self, start: float, end: float, nbytes: int) -> None:
+        with self._lock:
+            self._intervals.append((start, end))
+            self.bytes += nbytes
+
+    def pop_step(self) -> tuple[float, int]:
+        """Seconds of in-flight communication and bytes reduced since the last call."""
+        with self._lock:
+            intervals, self._intervals = sorted(self._intervals), []
+            nbytes, self.bytes = self.bytes, 0
+        total, cur_start, cur_end = 0.0, None, None
+        for s, e in intervals:
+            if cur_end is None or s > cur_end:
+                if cur_end is not None:
+                    total += cur_end - cur_start
+                cur_start, cur_end = s, e
+            else:
+                cur_end = max(cur_end, e)
+        if cur_end is not None:
+            total += cur_end - cur_start
+        return total, nbytes
+
+
+def _timed_allreduce_hook(timer, bucket):
+    # No annotations: DDP inspects them and `from __future__ import annotations` turns them into strings.
+    start = time.perf_counter()
+    buf = bucket.buffer()
+    nbytes = buf.numel() * buf.element_size()
+    fut = default_hooks.allreduce_hook(None, bucket)  # averages over the default group
+
+    def done(f):
+        timer.record(start, time.perf_counter(), nbytes)
+        return f.value()
+
+    return fut.then(done)
+
+
+def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommTimer]:
+    """Wrap ``model`` for ``cfg.strategy``; returns the wrapped model and its comm timer."""
+    model = model.to(info.device)
+    timer = CommTimer()
+    if cfg.strategy == "ddp":
+        wrapped = DDP(
+            model,
+            device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+        )
+        wrapped.register_comm_hook(timer, _timed_allreduce_hook)
+        return wrapped, timer
+    raise ValueError(f"unknown strategy {cfg.strategy!r}")
