@@ -1,0 +1,126 @@
+"""Checkpoint upload throughput: our S3 store against raw boto3 ``upload_file`` with default settings.
+
+    .venv/bin/python benchmarks/upload_bench.py [--mb 200] [--rounds 3] [--sweep]
+
+Starts moto's S3 server on 127.0.0.1 (real HTTP), writes one random file of ``--mb`` MB and uploads
+it in the same run, rounds interleaved so both see the same machine load:
+
+- ``boto3 default``: ``client.upload_file`` with boto3's default client and TransferConfig;
+- ``ours: put_file``: ``S3Store.put_file`` (our TransferConfig, retries, sha256 metadata);
+- ``ours: upload_checkpoint``: the whole commit of a one-file checkpoint (sha256 of the file,
+  upload, manifest, ``latest``), what the ``upload_checkpoint`` task does.
+
+Prints MB/s per variant (median of the rounds) and the ratio ours / boto3 default. ``--sweep``
+also tries other part sizes and concurrencies (how the defaults in training/storage.py were chosen).
+The figures measure the client and a local Python S3 server; against a real S3 endpoint the network
+decides, and larger parts with more in flight matter more there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"moto_server did not listen on 127.0.0.1:{port}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=int, default=200, help="file size in MB (default 200)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant (default 3)")
+    ap.add_argument("--sweep", action="store_true", help="also try other part sizes / concurrencies")
+    a = ap.parse_args()
+
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Dummy credentials: moto accepts any, and nothing here may reach a real account.
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_DEFAULT_REGION="us-east-1")
+    try:
+        _wait(port)
+        import boto3
+
+        from training import storage
+
+        raw = boto3.client("s3", endpoint_url=endpoint)
+        raw.create_bucket(Bucket="bench")
+        with tempfile.TemporaryDirectory() as tmp:
+            ck = Path(tmp) / "step_00000001"
+            ck.mkdir()
+            data = ck / "shard.bin"
+            with open(data, "wb") as f:
+                for _ in range(a.mb):
+                    f.write(os.urandom(1 << 20))
+            (ck / "COMPLETE").write_text(json.dumps({"step": 1, "world_size": 1, "config_hash": "bench"}))
+            sha = storage.sha256_file(data)
+            mb = data.stat().st_size / 1e6
+
+            def boto3_default(i: int) -> None:
+                raw.upload_file(str(data), "bench", f"raw/{i}")
+
+            def ours_put(i: int, **env: str) -> None:
+                storage.open_store("s3://bench/ours", env).put_file(data, f"put/{i}", sha)
+
+            def ours_commit(i: int) -> None:
+                storage.upload_checkpoint(ck, f"s3://bench/commit{i}", experiment="bench", run_id="r")
+
+            variants = {"boto3 default (8 MiB parts, 10 threads)": boto3_default,
+                        f"ours: put_file ({storage.PART_SIZE >> 20} MiB parts, {storage.CONCURRENCY} threads)": ours_put,
+                        "ours: upload_checkpoint (sha256 + upload + manifest + latest)": ours_commit}
+            if a.sweep:
+                for part in (8, 16, 64):
+                    for conc in (4, 8, 16):
+                        variants[f"sweep: {part} MiB parts, {conc} threads"] = (
+                            lambda i, p=part, c=conc: ours_put(i, TRAINING_S3_PART_SIZE_MB=str(p), TRAINING_S3_CONCURRENCY=str(c)))
+            times: dict[str, list[float]] = {k: [] for k in variants}
+            for r in range(a.rounds):
+                for name, fn in variants.items():
+                    t0 = time.perf_counter()
+                    fn(r)
+                    times[name].append(time.perf_counter() - t0)
+                # Keep moto's memory flat: drop what this round stored.
+                for page in raw.get_paginator("list_objects_v2").paginate(Bucket="bench"):
+                    keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                    if keys:
+                        raw.delete_objects(Bucket="bench", Delete={"Objects": keys})
+
+        base = statistics.median(times["boto3 default (8 MiB parts, 10 threads)"])
+        print(f"file: {mb:.0f} MB, moto_server on 127.0.0.1, {a.rounds} interleaved rounds, median per variant")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"  {name:64s} {mb / med:7.1f} MB/s  ({med:.2f} s)  x{base / med:.2f} vs boto3 default")
+        return 0
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
