@@ -15,6 +15,13 @@ One run of this DAG trains one model and records everything in **one MLflow run*
    validation split (`eval/loss`, `eval/accuracy`).
 5. **report** - closes the MLflow run and records the orchestration overhead.
 
+With **backend = kubernetes** the training runs on a cluster instead (`train` is skipped):
+**create_rendezvous_service** (headless Service) -> **train_on_kubernetes** (Indexed Job of
+`k8s_nnodes` pods, torchrun with the c10d rendezvous on pod 0) -> **upload_on_kubernetes** (a pod that
+commits the checkpoint from the shared volume to the `s3://` store), and
+**delete_rendezvous_service** whatever happened. `upload_checkpoint` then reads the commit back,
+and `evaluate` and `report` run as on the local backend.
+
 Trigger it with the form (every field explains itself), then open MLflow and compare runs.
 """
 
@@ -22,8 +29,9 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from airflow.sdk import dag, task
+from airflow.sdk import TriggerRule, dag, task
 
+from training_airflow import kubernetes
 from training_airflow.params import training_params
 
 DEFAULT_ARGS = {
@@ -58,8 +66,18 @@ def distributed_training():
 
         return tasks.train(params, handoff)
 
-    @task
-    def upload_checkpoint(handoff: dict, params=None):
+    @task.branch
+    def choose_backend(opened: dict, params=None):
+        if params["backend"] == "kubernetes":
+            return ["create_rendezvous_service", "delete_rendezvous_service"]
+        return "train"
+
+    # Runs after whichever backend trained: `train` (local) or `upload_on_kubernetes`.
+    @task(trigger_rule=TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS)
+    def upload_checkpoint(handoff: dict | None, opened: dict, params=None, ti=None):
+        if params["backend"] == "kubernetes":  # the upload pod committed it; read the commit back
+            return kubernetes.upload_checkpoint(params, opened,
+                                                job=ti.xcom_pull(task_ids="train_on_kubernetes", key="job"))
         from training_airflow import tasks
 
         return tasks.upload_checkpoint(params, handoff)
@@ -76,7 +94,26 @@ def distributed_training():
 
         return tasks.report(params, handoff, dag_run_start=dag_run.start_date)
 
-    report(evaluate(upload_checkpoint(train(validate_data()))))
+    opened = validate_data()
+    route = choose_backend(opened)
+    trained = train(opened)
+
+    # Kubernetes backend (docs/architecture.md): every argument comes from the run's Params.
+    create_service = kubernetes.RendezvousServiceOperator(task_id="create_rendezvous_service", handoff=opened)
+    train_on_k8s = kubernetes.TrainingJobOperator(
+        task_id="train_on_kubernetes", handoff=opened,
+        # The Job's activeDeadlineSeconds (Param k8s_active_deadline_s) is the real limit.
+        execution_timeout=timedelta(days=30))
+    upload_on_k8s = kubernetes.UploadPodOperator(task_id="upload_on_kubernetes", handoff=opened)
+    delete_service = kubernetes.DeleteRendezvousServiceOperator(
+        task_id="delete_rendezvous_service", handoff=opened, trigger_rule=TriggerRule.ALL_DONE)
+    route >> [trained, create_service, delete_service]
+    create_service >> train_on_k8s >> upload_on_k8s
+    train_on_k8s >> delete_service
+
+    uploaded = upload_checkpoint(trained, opened)
+    upload_on_k8s >> uploaded
+    report(evaluate(uploaded))
 
 
 distributed_training()

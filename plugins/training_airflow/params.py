@@ -43,4 +43,105 @@ def training_params() -> dict[str, Param]:
                         "S3 endpoint and credentials come from the worker's AWS_* environment, never from here."),
         "max_restarts": Param(0, type="integer", minimum=0, maximum=10, title="torchrun max restarts",
                               description="How often torchrun restarts the rank group after a rank dies."),
+        "backend": Param(
+            "local", type="string", enum=["local", "kubernetes"], title="Backend",
+            description="local: torchrun on the Airflow worker (world_size ranks). kubernetes: an Indexed Job of "
+                        "k8s_nnodes pods on a cluster (see the Kubernetes fields); world_size is then ignored."),
+        **kubernetes_params(),
+    }
+
+
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
+K8S = "Kubernetes backend"
+
+
+def kubernetes_params() -> dict[str, Param]:
+    """Fields of the ``backend=kubernetes`` path; nothing cluster-specific is hard-coded elsewhere.
+
+    Cross-field rules (limits >= requests, an s3:// store, an MLflow server the pods can reach, the
+    batch size against every possible world size) are checked by ``kubernetes.check_params``.
+    """
+
+    def name(default: str, title: str, description: str) -> Param:
+        return Param(default, type="string", pattern=DNS_LABEL, minLength=1, maxLength=63, title=title,
+                     description=description, section=K8S)
+
+    def quantity(default: str, title: str, description: str) -> Param:
+        return Param(default, type="string", pattern=QUANTITY, title=title, description=description, section=K8S)
+
+    def seconds(default: int, title: str, description: str, minimum: int = 1) -> Param:
+        return Param(default, type="integer", minimum=minimum, maximum=30 * 86400, title=title,
+                     description=description, section=K8S)
+
+    return {
+        "kubernetes_conn_id": Param(
+            "kubernetes_default", type="string", pattern=r"^[A-Za-z0-9_.-]{1,250}$", title="Kubernetes connection",
+            description="Airflow connection of the cluster (kubeconfig or in-cluster). A missing "
+                        "`kubernetes_default` means the worker's own kubeconfig / service account.", section=K8S),
+        "k8s_namespace": name("training", "Namespace", "Namespace of the Service, the Job and the upload pod; "
+                              "it must exist and hold the PVCs and the Secret."),
+        "k8s_image": Param(
+            "distributed-training:latest", type="string", pattern=r"^[^\s]+$", title="Training image",
+            description="Image built from docker/training.Dockerfile (push it to a registry the cluster can pull from).",
+            section=K8S),
+        "k8s_image_pull_policy": Param("IfNotPresent", type="string", enum=["IfNotPresent", "Always", "Never"],
+                                       title="Image pull policy", description="Kubernetes imagePullPolicy of every container.",
+                                       section=K8S),
+        "k8s_image_pull_secret": Param(
+            "", type="string", pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$", maxLength=253, title="Image pull Secret",
+            description="Secret with registry credentials for a private registry; empty: none.", section=K8S),
+        "k8s_nnodes": Param(2, type="integer", minimum=1, maximum=256, title="Nodes (pods)",
+                            description="Pods of the Indexed Job (completions = parallelism = this); torchrun --nnodes max.",
+                            section=K8S),
+        "k8s_min_nodes": Param(0, type="integer", minimum=0, maximum=256, title="Minimum nodes",
+                               description="torchrun --nnodes min: the run goes on with this many pods while a lost "
+                                           "one is replaced. 0: same as Nodes (no elasticity).", section=K8S),
+        "k8s_gpus_per_node": Param(1, type="integer", minimum=0, maximum=16, title="GPUs per pod",
+                                   description="nvidia.com/gpu limit and torchrun --nproc-per-node. 0: CPU pods with one "
+                                               "rank each (clusters without GPUs, e.g. for a smoke test).", section=K8S),
+        "k8s_cpu_request": quantity("4", "CPU request", "CPU request of a training pod (Kubernetes quantity, e.g. 4 or 500m)."),
+        "k8s_cpu_limit": quantity("8", "CPU limit", "CPU limit of a training pod; at least the request."),
+        "k8s_memory_request": quantity("16Gi", "Memory request", "Memory request of a training pod (e.g. 16Gi)."),
+        "k8s_memory_limit": quantity("32Gi", "Memory limit", "Memory limit of a training pod; at least the request."),
+        "k8s_shm_size": quantity("8Gi", "/dev/shm size", "Size of the in-memory /dev/shm volume (data loader workers, NCCL). "
+                                                          "It counts against the memory limit."),
+        "k8s_checkpoint_pvc": name("training-checkpoints", "Checkpoint PVC",
+                                   "ReadWriteMany PersistentVolumeClaim mounted at /checkpoints in every pod; ranks "
+                                   "write checkpoints there and a retried Job resumes from them."),
+        "k8s_data_pvc": name("training-data", "Dataset PVC", "PersistentVolumeClaim mounted read-only at /data."),
+        "k8s_dataset_path": Param(
+            "/data/teacher", type="string", pattern=r"^/data/[A-Za-z0-9._/-]+$", title="Dataset path in the pods",
+            description="The dataset folder as the pods see it (under /data). validate_data checks dataset_uri on the "
+                        "worker: both must be the same data.", section=K8S),
+        "k8s_s3_secret": name("training-s3", "S3 Secret",
+                              "Secret with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally AWS_ENDPOINT_URL, "
+                              "AWS_DEFAULT_REGION; pods get them by reference, never as values."),
+        "k8s_mlflow_tracking_uri": Param(
+            "", type="string", pattern=r"^(https?://[^\s@]+)?$", title="MLflow URI for the pods",
+            description="http(s) address of the MLflow server as seen from the pods. Empty: the worker's "
+                        "MLFLOW_TRACKING_URI, which must then be http(s).", section=K8S),
+        "k8s_rdzv_port": Param(29400, type="integer", minimum=1024, maximum=65535, title="Rendezvous port",
+                               description="Port of torchrun's c10d rendezvous store on pod 0.", section=K8S),
+        "k8s_cluster_domain": Param(
+            "cluster.local", type="string", pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", title="Cluster DNS domain",
+            description="DNS domain of the cluster; pod 0's rendezvous name ends with it.", section=K8S),
+        "k8s_backoff_limit": Param(3, type="integer", minimum=0, maximum=100, title="Job backoffLimit",
+                                   description="Failed pods the Job tolerates before it fails. Configuration errors "
+                                               "(exit code 2) fail it at once; evictions and preemptions do not count.",
+                                   section=K8S),
+        "k8s_active_deadline_s": seconds(86400, "Job deadline (s)", "activeDeadlineSeconds: the Job fails after this long."),
+        "k8s_ttl_after_finished_s": seconds(86400, "Keep finished Job (s)",
+                                            "ttlSecondsAfterFinished: a finished Job and its pods are removed after this long.",
+                                            minimum=0),
+        "k8s_termination_grace_s": seconds(120, "Termination grace (s)",
+                                           "Time a preempted pod gets between SIGTERM and SIGKILL (to write a checkpoint)."),
+        "k8s_node_selector": Param({}, type="object", additionalProperties={"type": "string"}, title="Node selector",
+                                   description="Labels a training node must have, e.g. {\"nvidia.com/gpu.product\": \"NVIDIA-H100-80GB-HBM3\"}.",
+                                   section=K8S),
+        "k8s_nccl_env": Param(
+            {"NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, type="object",
+            additionalProperties={"type": "string"}, propertyNames={"pattern": "^(NCCL|TORCH_NCCL)_[A-Z0-9_]+$"},
+            title="NCCL settings", description="NCCL_* / TORCH_NCCL_* variables of the training containers "
+                                               "(e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA for your fabric).", section=K8S),
     }

@@ -52,10 +52,17 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> di
         experiment = check_path_part("experiment", params["experiment"])
     except ConfigError as e:
         raise AirflowFailException(str(e)) from None
-    train_config(params)  # cross-field rules fail here, before any rank starts
+    backend, world_size = params.get("backend", "local"), params["world_size"]
+    if backend == "kubernetes":  # the pods' rules: world sizes from k8s_nnodes, an s3 store, an MLflow server
+        from training_airflow import kubernetes
+
+        kubernetes.check_params(params, worker_tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
+        world_size = kubernetes.world_sizes(params)[-1]
+    else:
+        train_config(params)  # cross-field rules fail here, before any rank starts
 
     run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=dag_run_id,
-                      tags={"backend": "local", "world_size": str(params["world_size"]), "model": params["model"]})
+                      tags={"backend": backend, "world_size": str(world_size), "model": params["model"]})
     logger = _logger(run_id)
     log.info("MLflow run %s (experiment %s)", run_id, experiment)
 

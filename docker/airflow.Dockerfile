@@ -1,0 +1,45 @@
+# Airflow image of the project: the official image plus the pinned providers and libraries, the
+# DAGs, the plugins and the training package (the local backend runs torchrun on the worker, and
+# `evaluate` scores checkpoints there on either backend).
+#
+#   docker build -f docker/airflow.Dockerfile -t distributed-training-airflow:latest .
+#
+# The -python3.11 variant of the official 3.3.2 image: constraints.txt is resolved for Python 3.11.
+# TORCH_INDEX_URL (optional) takes torch from another wheel index, e.g. a CPU-only build, which
+# keeps this image much smaller; the default is the PyPI wheel.
+FROM apache/airflow:3.3.2-python3.11
+
+ARG TORCH_INDEX_URL=
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+COPY --chown=airflow:root constraints.txt /tmp/constraints.txt
+# The pins are those of requirements.txt (a test keeps them equal).
+# constraints.txt pins a local CPU build of torch (torch==X+cpu) that only exists on a CPU wheel
+# index: torch is installed on its own first, every other pin applies as is.
+RUN grep -v '^torch==' /tmp/constraints.txt > /tmp/constraints-no-torch.txt \
+    && if [ -n "${TORCH_INDEX_URL}" ]; then \
+        pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==2.13.0"; \
+    else \
+        pip install --no-cache-dir "torch==2.13.0"; \
+    fi \
+    && pip install --no-cache-dir -c /tmp/constraints-no-torch.txt \
+        "apache-airflow==${AIRFLOW_VERSION}" \
+        apache-airflow-providers-cncf-kubernetes==10.25.0 \
+        apache-airflow-providers-amazon==9.39.0 \
+        mlflow==3.17.2 \
+        great-expectations==1.24.1 \
+        boto3==1.44.8 \
+        safetensors==0.8.0 \
+    && rm /tmp/constraints.txt /tmp/constraints-no-torch.txt
+
+ENV PYTHONPATH=/opt/project \
+    TRAINING_HOME=/opt/airflow \
+    TRAINING_VAR_DIR=/opt/airflow/var \
+    GX_ANALYTICS_ENABLED=False \
+    MLFLOW_ENABLE_TELEMETRY=false \
+    DO_NOT_TRACK=true
+# Owned by the airflow user, so the named volumes docker-compose.yaml mounts here start writable.
+RUN mkdir -p /opt/airflow/var/data /opt/airflow/auth
+COPY --chown=airflow:root training/ /opt/project/training/
+COPY --chown=airflow:root dags/ /opt/airflow/dags/
+COPY --chown=airflow:root plugins/ /opt/airflow/plugins/

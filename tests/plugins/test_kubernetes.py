@@ -1,0 +1,484 @@
+"""The Kubernetes backend without a cluster: the Service, the Indexed Job and the upload pod are
+built by the cncf-kubernetes provider's real operators (`build_job_request_obj`,
+`build_pod_request_obj`), serialized by the Kubernetes client as it would send them, validated
+against the Kubernetes 1.30 and newest OpenAPI schemas in strict mode (kubernetes-validate), and
+then checked for what a schema cannot see.
+
+The operators only need a kubeconfig to ask whether they run in a cluster; the one written here
+points at https://127.0.0.1:1, where nothing listens, and nothing is ever sent there.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import kubernetes_validate
+import pytest
+from kubernetes.client import ApiClient
+
+from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
+from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from airflow.providers.cncf.kubernetes.operators.resource import (
+    KubernetesCreateResourceOperator,
+    KubernetesDeleteResourceOperator,
+)
+from airflow.sdk import TriggerRule
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+from training_airflow import kubernetes as K
+from training_airflow.params import training_params
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_ID = "5f3c2a9be1d04c7f8a6b0e2d4c6a8e10"
+MLFLOW = "http://mlflow.mlops.svc:5000"
+K8S_VERSIONS = ["1.30.0", f"{kubernetes_validate.latest_version()}.0"]
+DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+@pytest.fixture(scope="module")
+def kubeconfig(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("kube") / "config"
+    path.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        "clusters: [{name: none, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: none, user: {token: not-a-token}}]\n"
+        "contexts: [{name: none, context: {cluster: none, user: none}}]\ncurrent-context: none\n")
+    return str(path)
+
+
+def k8s_params(**overrides):
+    params = {name: p.value for name, p in training_params().items()}
+    params.update(backend="kubernetes", store_uri="s3://checkpoints/team", k8s_mlflow_tracking_uri=MLFLOW,
+                  k8s_nnodes=4, k8s_gpus_per_node=8, batch_size=256)
+    params.update(overrides)
+    return params
+
+
+def serialize(obj) -> dict:
+    return ApiClient().sanitize_for_serialization(obj)
+
+
+def build_job(kubeconfig: str, params: dict, *, run_id: str = RUN_ID, try_number: int = 1):
+    """Job + Names, built by the real KubernetesJobOperator from our arguments."""
+    names = K.names(params, mlflow_run_id=run_id, try_number=try_number)
+    cfg = K.pod_train_config(params, run_dir=names.run_dir)
+    kwargs = K.job_operator_kwargs(params, names, mlflow_run_id=run_id, tracking_uri=MLFLOW, train_config=cfg)
+    kwargs["kubernetes_conn_id"] = None  # no Airflow connection here: the kubeconfig file instead
+    op = KubernetesJobOperator(task_id="train_on_kubernetes", in_cluster=False, config_file=kubeconfig,
+                               **K.JOB_STATIC_KWARGS, **kwargs)
+    return serialize(op.build_job_request_obj()), names
+
+
+def build_upload_pod(kubeconfig: str, params: dict, *, run_id: str = RUN_ID):
+    names = K.names(params, mlflow_run_id=run_id, try_number=1)
+    kwargs = {**K.upload_pod_kwargs(params, names, mlflow_run_id=run_id), "kubernetes_conn_id": None}
+    op = KubernetesPodOperator(task_id="upload_on_kubernetes", in_cluster=False, config_file=kubeconfig,
+                               **K.POD_STATIC_KWARGS, **kwargs)
+    return serialize(op.build_pod_request_obj()), names
+
+
+def env_of(container: dict) -> dict:
+    return {e["name"]: e for e in container.get("env") or []}
+
+
+def torchrun_args(container: dict):
+    """Parse the container's arguments with torchrun's own parser, as the pod will."""
+    from torch.distributed.run import get_args_parser
+
+    assert container["command"] == ["torchrun"]
+    return get_args_parser().parse_args(container["args"])
+
+
+@pytest.fixture(scope="module")
+def built(kubeconfig):
+    params = k8s_params()
+    job, names = build_job(kubeconfig, params)
+    pod, _ = build_upload_pod(kubeconfig, params)
+    service = K.service_manifest(names)
+    return SimpleNamespace(params=params, job=job, names=names, pod=pod, service=service,
+                           spec=job["spec"]["template"]["spec"], template_labels=job["spec"]["template"]["metadata"]["labels"])
+
+
+# --------------------------------------------------------------------------- schemas
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_objects_pass_the_strict_kubernetes_schemas(built, version):
+    for obj in (built.service, built.job, built.pod):
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_the_strict_schema_check_catches_mistakes(built):
+    """Guards the test above: a misspelt field or a wrong type is refused."""
+    typo = copy.deepcopy(built.job)
+    typo["spec"]["completionsMode"] = "Indexed"
+    wrong_type = copy.deepcopy(built.job)
+    wrong_type["spec"]["template"]["spec"]["containers"][0]["args"] = "torchrun --nnodes 2"
+    for bad in (typo, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(bad, K8S_VERSIONS[0], strict=True)
+
+
+# --------------------------------------------------------------------------- what a schema can't see
+
+
+def test_indexed_job_with_one_pod_per_node(built):
+    spec = built.job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == built.params["k8s_nnodes"] == 4
+    assert spec["backoffLimit"] == built.params["k8s_backoff_limit"]
+    assert spec["activeDeadlineSeconds"] == built.params["k8s_active_deadline_s"]
+    assert spec["ttlSecondsAfterFinished"] == built.params["k8s_ttl_after_finished_s"]
+    assert built.spec["restartPolicy"] == "Never"  # required by podFailurePolicy
+    assert built.spec["terminationGracePeriodSeconds"] == built.params["k8s_termination_grace_s"]
+
+
+def test_pod_failure_policy_fails_fast_on_bad_input_and_ignores_disruptions(built):
+    from training.cli import EXIT_BAD_INPUT
+
+    rules = built.job["spec"]["podFailurePolicy"]["rules"]
+    fail = [r for r in rules if r["action"] == "FailJob"]
+    assert fail == [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [EXIT_BAD_INPUT]}}]
+    assert "containerName" not in fail[0]["onExitCodes"]  # applies to the init container too
+    ignore = [r for r in rules if r["action"] == "Ignore"]
+    assert ignore == [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+
+
+def test_rendezvous_endpoint_is_pod_0s_name_as_the_provider_renders_it(built):
+    job_name, ns = built.job["metadata"]["name"], built.job["metadata"]["namespace"]
+    assert job_name.startswith("job-"), "the provider prefixes the Job name"
+    assert job_name == built.names.job
+    subdomain = built.spec["subdomain"]
+    assert subdomain == built.service["metadata"]["name"]
+    assert ns == built.service["metadata"]["namespace"] == built.params["k8s_namespace"]
+    # An Indexed Job's pod i gets the hostname "<job name>-<i>"; with the subdomain its FQDN is:
+    pod0 = f"{job_name}-0.{subdomain}.{ns}.svc.{built.params['k8s_cluster_domain']}"
+    base = next(c for c in built.spec["containers"] if c["name"] == "base")
+    args = torchrun_args(base)
+    assert args.rdzv_endpoint == f"{pod0}:{built.params['k8s_rdzv_port']}"
+    assert args.rdzv_backend == "c10d"
+    assert args.nnodes == "4:4" and args.nproc_per_node == "8"
+    assert args.max_restarts == built.params["max_restarts"]
+    assert args.module and args.training_script == "training" and args.training_script_args[0] == "train"
+    # The rendezvous port is the one the Service publishes.
+    assert [p["port"] for p in built.service["spec"]["ports"]] == [built.params["k8s_rdzv_port"]]
+
+
+def test_hostname_never_set_so_the_job_controller_names_the_pods(built):
+    assert "hostname" not in built.spec or built.spec["hostname"] is None
+
+
+def test_a_retry_gets_a_new_job_and_the_same_service(kubeconfig, built):
+    job2, names2 = build_job(kubeconfig, built.params, try_number=2)
+    assert job2["metadata"]["name"] != built.job["metadata"]["name"]
+    assert names2.service == built.names.service
+    assert torchrun_args(job2["spec"]["template"]["spec"]["containers"][0]).rdzv_endpoint.startswith(
+        f"{job2['metadata']['name']}-0.")
+
+
+def test_names_are_valid_dns(kubeconfig):
+    params = k8s_params(k8s_nnodes=256, k8s_gpus_per_node=1, k8s_namespace="a" * 63)
+    job, names = build_job(kubeconfig, params, run_id="F" * 32, try_number=99)
+    assert DNS_1035_LABEL.match(names.service) and len(names.service) <= 63
+    assert DNS_1123_SUBDOMAIN.match(job["metadata"]["name"]) and len(job["metadata"]["name"]) <= 63
+    for index in (0, 255):  # every pod hostname is a DNS label
+        host = names.pod_hostname(index)
+        assert DNS_1123_LABEL.match(host) and len(host) <= 63, host
+    assert DNS_1123_SUBDOMAIN.match(names.rdzv_host) and len(names.rdzv_host) <= 253
+    assert DNS_1123_LABEL.match(names.upload_pod)
+
+
+def test_the_service_selects_exactly_this_runs_training_pods(kubeconfig, built):
+    svc = built.service["spec"]
+    assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
+    selector = svc["selector"]
+    assert selector and selector.items() <= built.template_labels.items()
+    # Not the upload pod, not another run's training pods.
+    assert not selector.items() <= built.pod["metadata"]["labels"].items()
+    other, _ = build_job(kubeconfig, built.params, run_id="0" * 32)
+    assert not selector.items() <= other["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_gpu_limits_and_resources_come_from_the_params(kubeconfig, built):
+    res = built.spec["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == "8"
+    assert res["requests"] == {"cpu": built.params["k8s_cpu_request"], "memory": built.params["k8s_memory_request"]}
+    assert res["limits"]["cpu"] == built.params["k8s_cpu_limit"] and res["limits"]["memory"] == built.params["k8s_memory_limit"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in built.spec["tolerations"]
+    assert "nvidia.com/gpu" not in json.dumps(built.pod), "the upload pod needs no GPU"
+
+    cpu_job, _ = build_job(kubeconfig, k8s_params(k8s_gpus_per_node=0, batch_size=64))
+    cpu = cpu_job["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in cpu["containers"][0]["resources"]["limits"]
+    assert torchrun_args(cpu["containers"][0]).nproc_per_node == "1"
+    assert not cpu.get("tolerations")
+
+
+def test_env_wiring(built):
+    env = env_of(built.spec["containers"][0])
+    assert env["MLFLOW_TRACKING_URI"]["value"] == MLFLOW
+    assert env["MLFLOW_RUN_ID"]["value"] == RUN_ID
+    for name, optional in K.S3_ENV.items():
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert "value" not in env[name]
+        assert ref == {"name": built.params["k8s_s3_secret"], "key": name, "optional": optional}
+    for name, value in built.params["k8s_nccl_env"].items():
+        assert env[name]["value"] == value
+    upload_env = env_of(built.pod["spec"]["containers"][0])
+    assert all(upload_env[n]["valueFrom"]["secretKeyRef"]["name"] == built.params["k8s_s3_secret"] for n in K.S3_ENV)
+
+
+def test_no_secret_value_reaches_the_rendered_objects(kubeconfig, monkeypatch):
+    secrets = {"AWS_ACCESS_KEY_ID": "AKIAWORKERKEY123", "AWS_SECRET_ACCESS_KEY": "worker-secret-value-9f8e7d",
+               "MLFLOW_TRACKING_PASSWORD": "mlflow-password-4242"}
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    params = k8s_params()
+    job, names = build_job(kubeconfig, params)
+    pod, _ = build_upload_pod(kubeconfig, params)
+    text = json.dumps([job, pod, K.service_manifest(names)])
+    for value in secrets.values():
+        assert value not in text
+    with pytest.raises(AirflowFailException, match="k8s_mlflow_tracking_uri.*credentials"):
+        K.pod_tracking_uri(k8s_params(k8s_mlflow_tracking_uri="https://user:pw@mlflow.example"), None)
+
+
+def test_volumes_shm_and_checkpoint_folder(built):
+    vols = {v["name"]: v for v in built.spec["volumes"]}
+    mounts = {m["name"]: m for m in built.spec["containers"][0]["volumeMounts"]}
+    assert vols["checkpoints"]["persistentVolumeClaim"]["claimName"] == built.params["k8s_checkpoint_pvc"]
+    assert mounts["checkpoints"]["mountPath"] == K.CHECKPOINT_MOUNT and not mounts["checkpoints"]["readOnly"]
+    assert vols["data"]["persistentVolumeClaim"] == {"claimName": built.params["k8s_data_pvc"], "readOnly": True}
+    assert mounts["dshm"]["mountPath"] == "/dev/shm"
+    assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": built.params["k8s_shm_size"]}
+    # The trainer writes its checkpoints into this run's folder on the shared volume.
+    sets = dict(a.split("=", 1) for a in torchrun_args(built.spec["containers"][0]).training_script_args[2::2])
+    assert sets["checkpoint_dir"] == f"/checkpoints/{built.params['experiment']}/{RUN_ID}/checkpoints"
+    assert sets["dataset_uri"] == built.params["k8s_dataset_path"]
+    # The upload pod reads the same volume, read-only, at the same place.
+    pod_mounts = {m["name"]: m for m in built.pod["spec"]["containers"][0]["volumeMounts"]}
+    assert pod_mounts["checkpoints"] == {"name": "checkpoints", "mountPath": K.CHECKPOINT_MOUNT, "readOnly": True}
+
+
+def test_security_context(built):
+    for spec in (built.spec, built.pod["spec"]):
+        sc = spec["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0 and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert spec["automountServiceAccountToken"] is False
+        for c in [*spec["containers"], *(spec.get("initContainers") or [])]:
+            csc = c["securityContext"]
+            assert csc["allowPrivilegeEscalation"] is False, c["name"]
+            assert csc["readOnlyRootFilesystem"] is True, c["name"]
+            assert csc["capabilities"] == {"drop": ["ALL"]}, c["name"]
+            assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/tmp"}, "a writable /tmp on a read-only root"
+
+
+def test_the_init_container_runs_the_trainers_config_check_with_the_same_config(built, tmp_path):
+    """`train --print-config` with the pods' arguments succeeds, and bad input exits with the
+    code the FailJob rule matches (run for real: the same CLI the image runs)."""
+    (init,) = built.spec["initContainers"]
+    assert init["name"] == K.CHECK_CONTAINER and init["command"][:5] == ["python", "-m", "training", "train", "--print-config"]
+    base_sets = torchrun_args(built.spec["containers"][0]).training_script_args[1:]
+    assert init["command"][5:] == base_sets, "the init container checks exactly what the ranks will run"
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run([sys.executable, *init["command"][1:]], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["checkpoint_dir"].startswith("/checkpoints/")
+    bad = [a if not a.startswith("lr=") else "lr=-1" for a in init["command"][1:]]
+    refused = subprocess.run([sys.executable, *bad], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    rules = built.job["spec"]["podFailurePolicy"]["rules"]
+    assert refused.returncode in rules[0]["onExitCodes"]["values"], refused.stderr
+    assert "lr" in refused.stderr
+
+
+def test_upload_pod_commits_the_final_checkpoint(built):
+    from training.cli import build_parser
+
+    c = built.pod["spec"]["containers"][0]
+    assert c["name"] == "base" and c["image"] == built.params["k8s_image"]
+    a = build_parser().parse_args(c["command"][3:] + c["args"])
+    assert a.command == "upload"
+    assert a.checkpoint == f"/checkpoints/{built.params['experiment']}/{RUN_ID}/checkpoints/step_{built.params['steps']:08d}"
+    assert (a.store_uri, a.experiment, a.run_id) == (built.params["store_uri"], built.params["experiment"], RUN_ID)
+
+
+def test_dollar_parentheses_are_escaped_for_kubernetes():
+    assert K.set_args({"dataset_uri": "/data/$(HOME)"}) == ["--set", "dataset_uri=/data/$$(HOME)"]
+
+
+# --------------------------------------------------------------------------- run-time arguments
+
+
+def _context(params, try_number=1):
+    return {"params": params, "ti": SimpleNamespace(try_number=try_number)}
+
+
+def test_operators_compute_their_arguments_when_the_task_runs(kubeconfig, monkeypatch):
+    """The DAG's operators get their arguments at run time (apply_kwargs); the result must be the
+    same objects as passing those arguments to the provider's constructor."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", MLFLOW)
+    params = k8s_params()
+    op = K.TrainingJobOperator(task_id="train_on_kubernetes", handoff={"mlflow_run_id": RUN_ID},
+                               in_cluster=False, config_file=kubeconfig)
+    names = K.names(params, mlflow_run_id=RUN_ID, try_number=1)
+    cfg = K.pod_train_config(params, run_dir=names.run_dir)
+    K.apply_kwargs(op, K.job_operator_kwargs(params, names, mlflow_run_id=RUN_ID, tracking_uri=MLFLOW, train_config=cfg))
+    op.kubernetes_conn_id = None
+    at_runtime = serialize(op.build_job_request_obj())
+    expected, _ = build_job(kubeconfig, params)
+    assert at_runtime == expected
+
+    up = K.UploadPodOperator(task_id="upload_on_kubernetes", handoff={"mlflow_run_id": RUN_ID},
+                             in_cluster=False, config_file=kubeconfig)
+    K.apply_kwargs(up, {**K.upload_pod_kwargs(params, names, mlflow_run_id=RUN_ID), "kubernetes_conn_id": None})
+    got, want = serialize(up.build_pod_request_obj()), build_upload_pod(kubeconfig, params)[0]
+    for obj in (got, want):  # the provider adds a random suffix to pod names
+        obj["metadata"]["name"] = re.sub(r"-[a-z0-9]{8}$", "", obj["metadata"]["name"])
+    assert got == want
+
+
+def test_apply_kwargs_refuses_unknown_arguments():
+    op = KubernetesPodOperator(task_id="x")
+    with pytest.raises(AttributeError, match="completionz"):
+        K.apply_kwargs(op, {"completionz": 2})
+
+
+def test_operators_are_the_providers_and_skip_on_the_local_backend():
+    assert issubclass(K.TrainingJobOperator, KubernetesJobOperator)
+    assert issubclass(K.UploadPodOperator, KubernetesPodOperator)
+    assert issubclass(K.RendezvousServiceOperator, KubernetesCreateResourceOperator)
+    assert issubclass(K.DeleteRendezvousServiceOperator, KubernetesDeleteResourceOperator)
+    delete = K.DeleteRendezvousServiceOperator(task_id="delete_rendezvous_service", handoff=None)
+    with pytest.raises(AirflowSkipException):
+        delete.execute(_context(k8s_params(backend="local")))
+    with pytest.raises(AirflowSkipException, match="no MLflow run"):
+        delete.execute(_context(k8s_params()))  # validate_data failed: nothing was created
+
+
+def test_service_creation_fails_when_the_cluster_is_unreachable(kubeconfig, monkeypatch):
+    """The provider's create operator reports success after retrying a failed call (its retry gets
+    an exhausted generator); ours reads the Service back, so the task fails. The 'cluster' is
+    https://127.0.0.1:1, where the connection is refused."""
+    monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_NOWHERE", json.dumps(
+        {"conn_type": "kubernetes", "extra": {"kube_config_path": kubeconfig}}))
+    op = K.RendezvousServiceOperator(task_id="create_rendezvous_service", handoff={"mlflow_run_id": RUN_ID})
+    with pytest.raises(Exception, match="127.0.0.1"):
+        op.execute(_context(k8s_params(kubernetes_conn_id="kubernetes_nowhere")))
+    assert "kind: Service" in op.yaml_conf and "clusterIP: None" in op.yaml_conf.replace("'", "")
+
+
+# --------------------------------------------------------------------------- checks before launch
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"store_uri": "file:///var/store"}, "store_uri"),
+    ({"k8s_min_nodes": 5}, "k8s_min_nodes"),
+    ({"k8s_cpu_request": "16"}, "k8s_cpu_limit"),
+    ({"k8s_memory_request": "64Gi"}, "k8s_memory_limit"),
+    ({"k8s_shm_size": "64Gi"}, "k8s_shm_size"),
+    ({"k8s_mlflow_tracking_uri": "http://127.0.0.1:5000"}, "k8s_mlflow_tracking_uri"),
+    ({"k8s_mlflow_tracking_uri": "http://localhost:5000"}, "k8s_mlflow_tracking_uri"),
+    ({"batch_size": 100}, "batch_size"),  # 4 nodes x 8 GPUs = 32 ranks
+    ({"k8s_min_nodes": 3, "batch_size": 64}, "batch_size"),  # 3 x 8 = 24 ranks is possible too
+    ({"k8s_nccl_env": {"LD_PRELOAD": "/x.so"}}, "k8s_nccl_env"),
+    ({"k8s_dataset_path": "/data/../etc"}, "k8s_dataset_path"),
+])
+def test_bad_kubernetes_params_are_refused_naming_the_field(overrides, field):
+    with pytest.raises(AirflowFailException) as e:
+        K.check_params(k8s_params(**overrides), worker_tracking_uri=MLFLOW)
+    assert f"'{field}'" in str(e.value) and "Fix:" in str(e.value)
+
+
+def test_the_worker_must_log_to_the_server_the_pods_use():
+    with pytest.raises(AirflowFailException, match="worker's MLFLOW_TRACKING_URI") as e:
+        K.check_params(k8s_params(), worker_tracking_uri="sqlite:////secret/path/mlflow.db")
+    K.check_params(k8s_params(), worker_tracking_uri=MLFLOW)
+    K.check_params(k8s_params(k8s_mlflow_tracking_uri=""), worker_tracking_uri=MLFLOW)
+    with pytest.raises(AirflowFailException) as e:
+        K.pod_tracking_uri(k8s_params(k8s_mlflow_tracking_uri=""), "postgresql://u:topsecret@db/mlflow")
+    assert "topsecret" not in str(e.value)
+
+
+def test_params_schema_refuses_bad_names_before_a_run_is_created():
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    p = training_params()
+    for name, bad in [("k8s_namespace", "Training_NS"), ("k8s_cpu_limit", "8 cores"), ("backend", "slurm"),
+                      ("k8s_checkpoint_pvc", "-pvc"), ("k8s_nccl_env", {"PATH": "/bin"}),
+                      ("k8s_mlflow_tracking_uri", "sqlite:///x.db")]:
+        with pytest.raises(ParamValidationError):
+            p[name].resolve(bad)
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def test_job_wall_time_from_the_job_status():
+    from datetime import datetime, timezone
+
+    start = datetime(2026, 1, 1, 10, 0, tzinfo=timezone.utc)
+    job = {"status": {"start_time": start, "completion_time": start.replace(minute=42)}}
+    assert K.job_wall_s(job) == 42 * 60
+    assert K.job_wall_s({"status": {"start_time": "2026-01-01T10:00:00Z", "completion_time": "2026-01-01T10:00:30Z"}}) == 30
+    assert K.job_wall_s(None) == 0.0
+
+
+def test_committed_handoff_reads_the_commit_back_from_s3(s3_server, tmp_path):
+    """What upload_checkpoint hands on after the upload pod: read from a real S3 API (moto's
+    server on 127.0.0.1), written by the same upload code the pod runs."""
+    import boto3
+
+    from training.storage import upload_checkpoint
+
+    boto3.client("s3", endpoint_url=s3_server["endpoint"]).create_bucket(Bucket="checkpoints")
+    params = k8s_params(steps=120)
+    step = tmp_path / "step_00000120"
+    step.mkdir()
+    (step / "model.safetensors").write_bytes(b"weights")
+    (step / "COMPLETE").write_text(json.dumps({"step": 120, "world_size": 32, "config_hash": "abc"}))
+    upload_checkpoint(step, params["store_uri"], experiment=params["experiment"], run_id=RUN_ID)
+
+    job = {"status": {"start_time": "2026-01-01T10:00:00Z", "completion_time": "2026-01-01T10:05:00Z"}}
+    opened = {"mlflow_run_id": RUN_ID, "dataset_fingerprint": "f1e2"}
+    h = K.committed_handoff(params, opened, job=job)
+    assert h == {**opened,
+                 "checkpoint_path": f"/checkpoints/{params['experiment']}/{RUN_ID}/checkpoints/step_00000120",
+                 "final_step": 120, "torchrun_wall_s": 300.0,
+                 "checkpoint_uri": f"s3://checkpoints/team/{params['experiment']}/{RUN_ID}/step_00000120"}
+    with pytest.raises(RuntimeError, match="does not exist"):
+        K.committed_handoff(params, {"mlflow_run_id": "0" * 32}, job=job)
+
+
+# --------------------------------------------------------------------------- DAG wiring
+
+
+@pytest.fixture(scope="module")
+def dag():
+    from tests.conftest import load_dag
+
+    return load_dag("distributed_training")
+
+
+def test_dag_branches_between_backends(dag):
+    t = dag.task_dict
+    local = ["validate_data", "train", "upload_checkpoint", "evaluate", "report"]
+    k8s = ["create_rendezvous_service", "train_on_kubernetes", "upload_on_kubernetes", "delete_rendezvous_service"]
+    assert set(local + k8s + ["choose_backend"]) == set(t)
+    assert t["choose_backend"].downstream_task_ids == {"train", "create_rendezvous_service", "delete_rendezvous_service"}
+    assert "validate_data" in t["choose_backend"].upstream_task_ids
+    assert t["train_on_kubernetes"].upstream_task_ids >= {"create_rendezvous_service", "validate_data"}
+    assert t["upload_on_kubernetes"].upstream_task_ids >= {"train_on_kubernetes"}
+    assert t["upload_checkpoint"].upstream_task_ids >= {"train", "upload_on_kubernetes"}
+    assert t["upload_checkpoint"].trigger_rule == TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS
+    assert t["delete_rendezvous_service"].trigger_rule == TriggerRule.ALL_DONE
+    assert t["delete_rendezvous_service"].upstream_task_ids >= {"train_on_kubernetes", "choose_backend"}
+    assert t["evaluate"].upstream_task_ids == {"upload_checkpoint"}
