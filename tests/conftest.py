@@ -98,6 +98,19 @@ def s3_server():
             os.environ["AWS_ENDPOINT_URL"] = old
 
 
+def run_torchrun(nproc: int, sets: list[str], *, env: dict[str, str] | None = None, max_restarts: int = 0,
+                 timeout: float = 300, popen: bool = False):
+    """`torchrun ... -m training train --set k=v ...` on 127.0.0.1 with gloo, as a user would run it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", str(max_restarts),
+           "-m", "training", "train", *[a for s in sets for a in ("--set", s)]]
+    full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env.pop("MLFLOW_RUN_ID", None)
+    if popen:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
 def load_dag(name: str):
     import importlib.util
 

@@ -3,6 +3,7 @@
 Layout of the local checkpoint folder::
 
     {checkpoint_dir}/step_00000100/         DCP shards (__N_0.distcp) + .metadata
+    {checkpoint_dir}/step_00000100/rng_rankN.pt   each rank's RNG states (tensors and ints only)
     {checkpoint_dir}/step_00000100/COMPLETE  written by rank 0 after every rank finished (JSON)
     {checkpoint_dir}/step_00000300/model.safetensors + model_config.json   (final step only)
 
@@ -14,10 +15,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import re
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -56,39 +60,107 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 
 
 class TrainState(Stateful):
-    """Everything a resume needs, as DCP sees it: model, optimizer, scheduler, sampler, step."""
+    """Everything a resume needs, as DCP sees it: model, optimizer, LR scheduler, grad scaler,
+    sampler position and step. (Per-rank RNG states are kept beside it, see save_rng.)"""
 
-    def __init__(self, model, optimizer, scheduler, sampler):
-        self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
+    def __init__(self, model, optimizer, scheduler, sampler, scaler=None):
+        self.model, self.optimizer, self.scheduler, self.sampler, self.scaler = model, optimizer, scheduler, sampler, scaler
         self.step = 0
 
     def state_dict(self) -> dict[str, Any]:
         msd, osd = get_state_dict(self.model, self.optimizer)
-        return {
+        state = {
             "model": msd,
             "optim": osd,
             "scheduler": self.scheduler.state_dict(),
             "sampler_pos": torch.tensor(self.sampler.pos, dtype=torch.int64),
             "step": torch.tensor(self.step, dtype=torch.int64),
         }
+        if self.scaler is not None and self.scaler.is_enabled():
+            state["scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if "scaler" in state and self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
         self.sampler.pos = int(state["sampler_pos"])
         self.step = int(state["step"])
 
 
-def save(state: TrainState, checkpoint_dir: str | Path, *, world_size: int, config_hash: str) -> Path:
-    """Collective: every rank writes its shard; rank 0 marks the folder complete last."""
-    path = Path(checkpoint_dir) / step_dir_name(state.step)
-    dcp.save({"train": state}, checkpoint_id=str(path))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        marker = {"step": state.step, "world_size": world_size, "config_hash": config_hash}
-        _atomic_write(path / COMPLETE, json.dumps(marker) + "\n")
-    dist.barrier()
-    return path
+def rng_state() -> dict[str, Any]:
+    """Every RNG of this rank, in types ``torch.load(weights_only=True)`` accepts."""
+    _, key, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """Saves TrainState into ``{checkpoint_dir}/step_XXXXXXXX/`` (sync or async) and marks each
+    folder COMPLETE only once every rank's data and DCP's metadata are written.
+
+    Async saves run on their own gloo process group so that the background thread's collectives
+    never interleave with the training collectives on the default group.
+    """
+
+    def __init__(self, checkpoint_dir: str | Path, *, world_size: int, config_hash: str, use_async: bool):
+        self.root = Path(checkpoint_dir)
+        self.world_size, self.config_hash, self.use_async = world_size, config_hash, use_async
+        self.rank = dist.get_rank()
+        self.pending: tuple[Any, Path, int] | None = None
+        self.group = dist.new_group(backend="gloo") if use_async else None
+
+    def save(self, state: TrainState, *, final: bool = False) -> float:
+        """Start (async) or do (sync) a save; returns the seconds training was blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        path = self.root / step_dir_name(state.step)
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
+        if self.use_async and not final:
+            future = dcp.async_save({"train": state}, checkpoint_id=str(path), process_group=self.group)
+            self.pending = (future, path, state.step)
+        else:
+            dcp.save({"train": state}, checkpoint_id=str(path))
+            self._mark_complete(path, state.step)
+        return time.perf_counter() - t0
+
+    def poll(self) -> None:
+        """Mark a finished async save complete without waiting for an unfinished one."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is None:
+            return
+        future, path, step = self.pending
+        self.pending = None
+        future.result()
+        self._mark_complete(path, step)
+
+    def _mark_complete(self, path: Path, step: int) -> None:
+        # DCP's save (or the async future) returns on the coordinator (rank 0) only after every
+        # rank's write results were gathered and the metadata file written.
+        if self.rank == 0:
+            marker = {"step": step, "world_size": self.world_size, "config_hash": self.config_hash}
+            _atomic_write(path / COMPLETE, json.dumps(marker) + "\n")
 
 
 def latest_complete(checkpoint_dir: str | Path) -> Path | None:
@@ -99,8 +171,15 @@ def latest_complete(checkpoint_dir: str | Path) -> Path | None:
     return max(done, key=lambda p: p.name, default=None)
 
 
-def load(state: TrainState, path: str | Path) -> None:
+def load(state: TrainState, path: str | Path) -> bool:
+    """Load ``path`` into ``state``; returns whether this rank's RNG state was restored too (it is
+    not when the checkpoint was written by fewer ranks than now run)."""
     dcp.load({"train": state}, checkpoint_id=str(path), planner=_WeightsOnlyLoadPlanner())
+    rng_file = Path(path) / f"rng_rank{dist.get_rank()}.pt"
+    if rng_file.exists():
+        set_rng_state(torch.load(rng_file, weights_only=True))
+        return True
+    return False
 
 
 def export_model(model, path: str | Path, spec: dict[str, Any]) -> None:

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODELS = ("mlp",)
-STRATEGIES = ("ddp",)
+MODELS = ("mlp", "cnn", "transformer")
+STRATEGIES = ("ddp", "fsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+COMM_HOOKS = ("none", "fp16", "bf16")
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -35,9 +37,12 @@ class TrainConfig:
 
     model: str = "mlp"
     strategy: str = "ddp"
+    precision: str = "fp32"
+    comm_hook: str = "none"
     dataset_uri: str = ""
     steps: int = 300
     batch_size: int = 64
+    grad_accum: int = 1
     lr: float = 3e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -45,8 +50,11 @@ class TrainConfig:
     seed: int = 1234
     hidden: int = 128
     depth: int = 2
+    n_heads: int = 4
+    dropout: float = 0.0
     checkpoint_dir: str = ""
     checkpoint_every: int = 100
+    async_checkpoint: bool = False
     output_dir: str = ""
     log_every: int = 10
     replica_check_every: int = 0
@@ -55,9 +63,17 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _one_of("model", self.model, MODELS)
         _one_of("strategy", self.strategy, STRATEGIES)
+        _one_of("precision", self.precision, PRECISIONS)
+        _one_of("comm_hook", self.comm_hook, COMM_HOOKS)
+        if self.comm_hook != "none" and self.strategy != "ddp":
+            raise ConfigError("comm_hook", f"{self.comm_hook!r} compresses DDP gradients but strategy is {self.strategy!r}",
+                              "use comm_hook=none with fsdp (set its reduce precision through precision=bf16)")
+        if self.precision == "fp16" and self.strategy == "fsdp":
+            raise ConfigError("precision", "fp16 with fsdp is not supported (loss scaling of sharded gradients)",
+                              "use precision=bf16 with fsdp, or strategy=ddp for fp16")
         if not self.dataset_uri:
             raise ConfigError("dataset_uri", "is empty", "pass the dataset folder, e.g. --set dataset_uri=var/data/teacher")
-        for name in ("steps", "batch_size", "hidden", "depth", "log_every", "collective_timeout_s"):
+        for name in ("steps", "batch_size", "grad_accum", "hidden", "depth", "n_heads", "log_every", "collective_timeout_s"):
             _positive_int(name, getattr(self, name))
         for name in ("checkpoint_every", "replica_check_every", "warmup_steps"):
             _non_negative_int(name, getattr(self, name))
@@ -65,19 +81,33 @@ class TrainConfig:
             raise ConfigError("lr", f"{self.lr!r} is not a learning rate in (0, 10)", "use e.g. 3e-3")
         if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
             raise ConfigError("weight_decay", f"{self.weight_decay!r} is negative", "use 0 or a small positive value")
+        if self.model == "transformer" and self.hidden % self.n_heads:
+            raise ConfigError("n_heads", f"hidden={self.hidden} is not divisible by n_heads={self.n_heads}",
+                              "choose n_heads dividing hidden (the transformer's width)")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("dropout", f"{self.dropout!r} is not in [0, 1)", "use e.g. 0.0 or 0.1")
+        if not isinstance(self.async_checkpoint, bool):
+            raise ConfigError("async_checkpoint", f"{self.async_checkpoint!r} is not true/false", "use true or false")
         if not isinstance(self.grad_clip, (int, float)) or self.grad_clip < 0:
             raise ConfigError("grad_clip", f"{self.grad_clip!r} is negative", "use 0 (off) or a positive norm such as 1.0")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ConfigError("seed", f"{self.seed!r} is not a non-negative integer", "use e.g. 1234")
 
     def check_world_size(self, world_size: int) -> None:
-        """Cross-field rule that needs the launch size: the global batch splits evenly."""
-        if self.batch_size % world_size:
+        """Cross-field rule that needs the launch size: the global batch splits evenly into
+        ``world_size`` ranks times ``grad_accum`` micro-batches."""
+        if self.batch_size % (world_size * self.grad_accum):
             raise ConfigError(
                 "batch_size",
-                f"{self.batch_size} is not divisible by world_size={world_size}",
-                f"choose a batch_size that is a multiple of {world_size}",
+                f"{self.batch_size} is not divisible by world_size={world_size} x grad_accum={self.grad_accum}",
+                f"choose a batch_size that is a multiple of {world_size * self.grad_accum}",
             )
+
+    def check_device(self, cuda: bool) -> None:
+        """Rules that depend on the hardware the ranks run on."""
+        if self.comm_hook == "bf16" and not cuda:
+            raise ConfigError("comm_hook", "bf16 gradient compression needs CUDA (gloo has no bf16 all-reduce)",
+                              "use comm_hook=fp16 on CPU, or run on GPUs")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -89,20 +119,26 @@ class TrainConfig:
 
 
 FIELD_HELP = {
-    "model": "model family; mlp for tabular features",
-    "strategy": "how the model is distributed over ranks; ddp replicates it and all-reduces gradients",
+    "model": "model family: mlp (tabular), cnn (images), transformer (token sequences)",
+    "strategy": "ddp: replicas + bucketed all-reduce overlapped with backward; fsdp: FSDP2 fully_shard per block",
+    "precision": "fp32; bf16 (autocast, or FSDP2 mixed precision); fp16 (autocast + dynamic loss scaling, ddp only)",
+    "comm_hook": "DDP gradient compression: none, fp16, bf16 (bf16 needs CUDA)",
     "dataset_uri": "dataset folder written by `make-data` (train/, validation/, dataset.json)",
     "steps": "optimizer steps to run in total",
-    "batch_size": "global batch size (samples per optimizer step over all ranks)",
+    "batch_size": "global batch size (samples per optimizer step over all ranks and micro-batches)",
+    "grad_accum": "micro-batches per optimizer step; only the last one communicates",
     "lr": "peak learning rate of AdamW",
     "weight_decay": "AdamW weight decay",
     "grad_clip": "clip the global gradient norm to this value (0 = no clipping)",
     "warmup_steps": "linear warm-up steps before cosine decay",
     "seed": "seed for weights, data order and every RNG",
-    "hidden": "hidden width of the MLP",
-    "depth": "number of hidden layers of the MLP",
+    "hidden": "hidden width (mlp, cnn head) or model width d_model (transformer)",
+    "depth": "hidden layers (mlp) or decoder blocks (transformer)",
+    "n_heads": "attention heads (transformer)",
+    "dropout": "dropout probability (transformer)",
     "checkpoint_dir": "local folder for periodic checkpoints (step_XXXXXXXX/ sub-folders)",
     "checkpoint_every": "save a checkpoint every K steps (0 = only at the end)",
+    "async_checkpoint": "save periodic checkpoints with dcp.async_save (training blocks only for the copy)",
     "output_dir": "folder for the run summary (train_summary.json)",
     "log_every": "log metrics and a progress line every N steps",
     "replica_check_every": "every N steps, compare a hash of the weights across ranks and fail on divergence (0 = off)",

@@ -20,8 +20,8 @@ from training.datasets import read_meta
 
 @dataclass
 class Split:
-    features: np.ndarray  # float32 [n, d]
-    labels: np.ndarray  # int64 [n]
+    features: np.ndarray  # float32 [n, d] (tabular, images) or int64 [n, seq_len + 1] (tokens)
+    labels: np.ndarray | None  # int64 [n]; None for tokens (targets are the shifted sequence)
 
 
 def load_split(root: str | Path, split: str) -> Split:
@@ -32,11 +32,14 @@ def load_split(root: str | Path, split: str) -> Split:
     parts = sorted((Path(root) / split).glob("*.parquet"))
     if not parts:
         raise FileNotFoundError(f"no Parquet files under {Path(root) / split}")
-    tables = [pq.read_table(p, columns=[*meta["features"], meta["label"]]) for p in parts]
+    label = meta.get("label")
+    columns = [*meta["features"], *([label] if label else [])]
+    tables = [pq.read_table(p, columns=columns) for p in parts]
+    dtype = np.int64 if meta.get("feature_dtype") == "int" else np.float32
     x = np.concatenate(
         [np.stack([t.column(c).to_numpy() for c in meta["features"]], axis=1) for t in tables]
-    ).astype(np.float32)
-    y = np.concatenate([t.column(meta["label"]).to_numpy() for t in tables]).astype(np.int64)
+    ).astype(dtype)
+    y = np.concatenate([t.column(label).to_numpy() for t in tables]).astype(np.int64) if label else None
     return Split(features=x, labels=y)
 
 

@@ -1,4 +1,4 @@
-"""Dataset generators with a known answer.
+"""Dataset generators with a known answer (or a real, well-studied one).
 
 ``teacher``: tabular classification. Features are standard normal; the label is the argmax of a
 fixed random two-layer "teacher" network, then with probability ``label_noise`` replaced by a
@@ -8,6 +8,18 @@ uniformly random class. A model that recovers the teacher exactly gets
 
 on fresh data, and no model can do better in expectation, so convergence is judged against a
 number written next to the data (``dataset.json``), not against folklore.
+
+``digits``: the scikit-learn 8x8 handwritten digits (1,797 real images shipped with
+scikit-learn), pixels as 64 columns ``p0..p63`` in 0..16, 10 classes, a fixed 80/20 split.
+
+``markov``: token sequences from a fixed first-order Markov chain over ``vocab`` symbols whose
+rows are drawn from a Dirichlet. Sequences start from the stationary distribution, so every
+next-token prediction has the same best reachable cross-entropy, the chain's entropy rate
+``H = sum_i pi_i * H(P_i)`` (nats), written to ``dataset.json`` as ``loss_floor``.
+
+Every ``dataset.json`` carries the same generic schema keys, so validation and loading are
+generic: ``kind``, ``features`` (columns fed to the model), ``feature_dtype`` (float|int),
+``feature_range``, ``label`` (column or null), ``n_classes``.
 
 Layout (the same for every kind, so storage and validation are generic)::
 
@@ -47,9 +59,6 @@ def make_teacher_dataset(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Write the ``teacher`` dataset under ``root`` and return its ``dataset.json`` content."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     if n_train <= 0 or n_val <= 0:
         raise ValueError("n_train and n_val must be positive")
     if not 0.0 <= label_noise < 1.0:
@@ -64,14 +73,11 @@ def make_teacher_dataset(
         y = teacher_labels(x, n_classes, seed)
         flip = rng.random(n) < label_noise
         y = np.where(flip, rng.integers(0, n_classes, size=n), y).astype(np.int64)
-        table = pa.table({**{name: x[:, i] for i, name in enumerate(feature_names)}, "label": y})
-        (root / split).mkdir(parents=True, exist_ok=True)
-        tmp = root / split / "part-00000.parquet.tmp"
-        pq.write_table(table, tmp)
-        tmp.replace(root / split / "part-00000.parquet")
+        _write_split(root, split, {**{name: x[:, i] for i, name in enumerate(feature_names)}, "label": y})
     meta = {
         "kind": "tabular",
         "generator": "teacher",
+        "feature_dtype": "float",
         "seed": seed,
         "features": feature_names,
         "label": "label",
@@ -85,6 +91,82 @@ def make_teacher_dataset(
     }
     (root / "dataset.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def _write_split(root: Path, split: str, columns: dict[str, np.ndarray]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (root / split).mkdir(parents=True, exist_ok=True)
+    tmp = root / split / "part-00000.parquet.tmp"
+    pq.write_table(pa.table(columns), tmp)
+    tmp.replace(root / split / "part-00000.parquet")
+
+
+def make_digits_dataset(root: str | Path, *, seed: int = 0) -> dict[str, Any]:
+    """Real data: scikit-learn's bundled 8x8 digits (no download), split 80/20 by ``seed``."""
+    from sklearn.datasets import load_digits
+
+    root = Path(root)
+    digits = load_digits()
+    x = digits.data.astype(np.float32)
+    y = digits.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(y))
+    cut = int(0.8 * len(y))
+    names = [f"p{i}" for i in range(x.shape[1])]
+    rows = {}
+    for split, idx in (("train", order[:cut]), ("validation", order[cut:])):
+        _write_split(root, split, {**{n: x[idx, i] for i, n in enumerate(names)}, "label": y[idx]})
+        rows[split] = len(idx)
+    meta = {"kind": "images", "generator": "digits", "seed": seed, "features": names, "feature_dtype": "float",
+            "image_shape": [1, 8, 8], "label": "label", "n_classes": 10, "feature_range": [0.0, 16.0],
+            "chance_accuracy": 0.1, "rows": rows}
+    (root / "dataset.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def markov_chain(vocab: int, seed: int, concentration: float = 0.1) -> tuple[np.ndarray, np.ndarray, float]:
+    """Transition matrix, stationary distribution and entropy rate (nats) of the fixed chain."""
+    rng = np.random.default_rng(seed + 20_000)
+    trans = rng.dirichlet(np.full(vocab, concentration), size=vocab)
+    # Stationary distribution: left eigenvector for eigenvalue 1, by power iteration (exact enough).
+    pi = np.full(vocab, 1.0 / vocab)
+    for _ in range(10_000):
+        nxt = pi @ trans
+        if np.abs(nxt - pi).max() < 1e-15:
+            break
+        pi = nxt
+    with np.errstate(divide="ignore", invalid="ignore"):
+        row_entropy = -np.nansum(np.where(trans > 0, trans * np.log(trans), 0.0), axis=1)
+    return trans, pi, float(pi @ row_entropy)
+
+
+def make_markov_dataset(root: str | Path, *, n_train: int = 8_000, n_val: int = 1_000, vocab: int = 16,
+                        seq_len: int = 32, seed: int = 0) -> dict[str, Any]:
+    """Token sequences of ``seq_len + 1`` tokens (inputs and shifted targets) from a fixed chain."""
+    root = Path(root)
+    trans, pi, entropy_rate = markov_chain(vocab, seed)
+    cdf = np.cumsum(trans, axis=1)
+    rng = np.random.default_rng(seed)
+    names = [f"t{i}" for i in range(seq_len + 1)]
+    counts = {"train": n_train, "validation": n_val}
+    for split in SPLITS:
+        n = counts[split]
+        seq = np.empty((n, seq_len + 1), dtype=np.int64)
+        seq[:, 0] = rng.choice(vocab, size=n, p=pi)
+        for t in range(1, seq_len + 1):
+            u = rng.random(n)[:, None]
+            seq[:, t] = np.minimum((u > cdf[seq[:, t - 1]]).sum(axis=1), vocab - 1)
+        _write_split(root, split, {name: seq[:, i] for i, name in enumerate(names)})
+    meta = {"kind": "tokens", "generator": "markov", "seed": seed, "features": names, "feature_dtype": "int",
+            "label": None, "n_classes": vocab, "vocab_size": vocab, "seq_len": seq_len,
+            "feature_range": [0, vocab - 1], "loss_floor": entropy_rate,
+            "uniform_loss": float(np.log(vocab)), "rows": counts}
+    (root / "dataset.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+GENERATORS = {"teacher": make_teacher_dataset, "digits": make_digits_dataset, "markov": make_markov_dataset}
 
 
 def read_meta(root: str | Path) -> dict[str, Any]:

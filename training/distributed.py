@@ -45,7 +45,17 @@ def init(timeout_s: int) -> DistInfo:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device if backend == "nccl" else None)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs = {"backend": backend, "timeout": timeout, "device_id": device if backend == "nccl" else None}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps one store for the whole job, and a restarted group would read the
+        # previous attempt's gloo/nccl addresses under the same keys (and hang connecting to dead
+        # ranks). A prefix per restart attempt keeps every attempt's keys apart.
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                    is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        kwargs.update(store=dist.PrefixStore(f"training/attempt_{attempt}", agent_store), rank=rank, world_size=world)
+    dist.init_process_group(**kwargs)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
 
 
@@ -101,22 +111,46 @@ class CommTimer:
         return total, nbytes
 
 
-def _timed_allreduce_hook(timer, bucket):
+def _timed(inner):
+    """Wrap a stock DDP comm hook so that each bucket's collective is timed (see CommTimer)."""
+
     # No annotations: DDP inspects them and `from __future__ import annotations` turns them into strings.
-    start = time.perf_counter()
-    buf = bucket.buffer()
-    nbytes = buf.numel() * buf.element_size()
-    fut = default_hooks.allreduce_hook(None, bucket)  # averages over the default group
+    def hook(timer, bucket):
+        start = time.perf_counter()
+        buf = bucket.buffer()
+        # Bytes on the wire per rank: the compressing hooks send half-width copies.
+        width = 2 if inner in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook) else buf.element_size()
+        nbytes = buf.numel() * width
+        fut = inner(None, bucket)  # None: the default process group; averages over ranks
 
-    def done(f):
-        timer.record(start, time.perf_counter(), nbytes)
-        return f.value()
+        def done(f):
+            timer.record(start, time.perf_counter(), nbytes)
+            return f.value()
 
-    return fut.then(done)
+        return fut.then(done)
+
+    return hook
+
+
+HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
+         "bf16": default_hooks.bf16_compress_hook}
+
+
+def _shard_units(model: nn.Module) -> list[nn.Module]:
+    """The sub-modules FSDP2 shards one by one: transformer blocks; else each conv/linear layer."""
+    if hasattr(model, "blocks"):
+        return list(model.blocks)
+    return [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
 
 
 def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommTimer]:
-    """Wrap ``model`` for ``cfg.strategy``; returns the wrapped model and its comm timer."""
+    """Wrap ``model`` for ``cfg.strategy``; returns the wrapped model and its comm timer.
+
+    ddp: DistributedDataParallel with bucketed all-reduce overlapped with backward, gradients as
+    views into the buckets (no extra copy), and the chosen (timed) comm hook.
+    fsdp: FSDP2 ``fully_shard`` on every unit from ``_shard_units`` and then the root; with
+    precision=bf16 parameters are all-gathered and computed in bf16, gradients reduced in fp32.
+    """
     model = model.to(info.device)
     timer = CommTimer()
     if cfg.strategy == "ddp":
@@ -125,6 +159,28 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
         )
-        wrapped.register_comm_hook(timer, _timed_allreduce_hook)
+        wrapped.register_comm_hook(timer, _timed(HOOKS[cfg.comm_hook]))
         return wrapped, timer
+    if cfg.strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16" else MixedPrecisionPolicy()
+        for unit in _shard_units(model):
+            fully_shard(unit, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model, timer
     raise ValueError(f"unknown strategy {cfg.strategy!r}")
+
+
+def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds for parameters and optimizer state (the local shard under FSDP)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                total += local(v).numel() * local(v).element_size()
+    return total

@@ -1,10 +1,16 @@
-"""Model families. Plain ``nn.Module``s: parallelism is applied from outside (distributed.py)."""
+"""Model families. Plain ``nn.Module``s: parallelism is applied from outside (distributed.py).
+
+Every model takes one batch tensor ``x`` and returns logits; ``loss_fn`` knows the target layout:
+class labels for ``mlp``/``cnn``, the shifted sequence for ``transformer``.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -25,16 +31,128 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-def model_spec(name: str, meta: dict[str, Any], *, hidden: int, depth: int) -> dict[str, Any]:
+class CNN(nn.Module):
+    """Small image classifier (8x8 digits): two conv blocks, then an MLP head."""
+
+    def __init__(self, *, image_shape: list[int], n_classes: int, hidden: int = 128, scale: float = 1.0):
+        super().__init__()
+        c, h, w = image_shape
+        self.image_shape, self.scale = tuple(image_shape), scale
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 32, 3, padding=1), nn.GELU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.GELU(), nn.MaxPool2d(2),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64 * (h // 2) * (w // 2), hidden), nn.GELU(),
+                                  nn.Linear(hidden, n_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(x.shape[0], *self.image_shape) / self.scale
+        return self.head(self.features(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: causal self-attention, then an MLP."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float):
+        super().__init__()
+        self.n_heads, self.dropout = n_heads, dropout
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class Transformer(nn.Module):
+    """Small GPT-style decoder over token sequences."""
+
+    def __init__(self, *, vocab_size: int, seq_len: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layers))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def model_spec(name: str, meta: dict[str, Any], *, hidden: int, depth: int, n_heads: int = 4,
+               dropout: float = 0.0) -> dict[str, Any]:
     """The JSON that, with the weights, rebuilds the model anywhere (``model_config.json``)."""
-    if name != "mlp":
-        raise ValueError(f"unknown model {name!r}")
-    return {"model": "mlp", "in_features": len(meta["features"]), "n_classes": meta["n_classes"],
-            "hidden": hidden, "depth": depth, "features": meta["features"]}
+    base = {"model": name, "kind": meta["kind"], "features": meta["features"]}
+    if name == "mlp":
+        return {**base, "in_features": len(meta["features"]), "n_classes": meta["n_classes"], "hidden": hidden, "depth": depth}
+    if name == "cnn":
+        return {**base, "image_shape": meta["image_shape"], "n_classes": meta["n_classes"], "hidden": hidden,
+                "scale": float(meta["feature_range"][1]) or 1.0}
+    if name == "transformer":
+        return {**base, "vocab_size": meta["vocab_size"], "seq_len": meta["seq_len"], "d_model": hidden,
+                "n_layers": depth, "n_heads": n_heads, "dropout": dropout}
+    raise ValueError(f"unknown model {name!r}")
 
 
 def build_model(spec: dict[str, Any]) -> nn.Module:
     if spec["model"] == "mlp":
-        return MLP(in_features=spec["in_features"], n_classes=spec["n_classes"],
-                   hidden=spec["hidden"], depth=spec["depth"])
+        return MLP(in_features=spec["in_features"], n_classes=spec["n_classes"], hidden=spec["hidden"], depth=spec["depth"])
+    if spec["model"] == "cnn":
+        return CNN(image_shape=spec["image_shape"], n_classes=spec["n_classes"], hidden=spec["hidden"], scale=spec["scale"])
+    if spec["model"] == "transformer":
+        return Transformer(vocab_size=spec["vocab_size"], seq_len=spec["seq_len"], d_model=spec["d_model"],
+                           n_layers=spec["n_layers"], n_heads=spec["n_heads"], dropout=spec["dropout"])
     raise ValueError(f"unknown model {spec['model']!r} in model config")
+
+
+# Which dataset kind each model reads; checked before any process starts.
+MODEL_KIND = {"mlp": "tabular", "cnn": "images", "transformer": "tokens"}
+
+
+def split_batch(kind: str, x: torch.Tensor, y: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Model input and target for one batch: tokens predict their successor."""
+    if kind == "tokens":
+        return x[:, :-1], x[:, 1:]
+    return x, y
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+def flops_per_sample(spec: dict[str, Any], n_params: int) -> float:
+    """Training FLOPs per sample (forward + backward = 3x forward), the usual 6*N*tokens rule for the
+    transformer plus attention (12 * layers * seq * d per token), 6*N for the dense models
+    (the CNN's conv FLOPs are counted from its output map size)."""
+    if spec["model"] == "transformer":
+        t = spec["seq_len"]
+        return 6.0 * n_params * t + 12.0 * spec["n_layers"] * t * t * spec["d_model"]
+    if spec["model"] == "cnn":
+        c, h, w = spec["image_shape"]
+        conv = 2 * (h * w * 32 * c * 9) + 2 * (h * w * 64 * 32 * 9)
+        return 3.0 * conv + 6.0 * n_params
+    return 6.0 * n_params

@@ -5,23 +5,29 @@ Launch it:
     # one process (a one-rank group on 127.0.0.1)
     python -m training train --set dataset_uri=var/data/teacher --set checkpoint_dir=var/ckpt
 
-    # two ranks on this machine (gloo on CPU, nccl on GPUs)
+    # two ranks on this machine (gloo on CPU, nccl on GPUs); a dead rank restarts the group,
+    # which resumes from the latest complete checkpoint
     GLOO_SOCKET_IFNAME=lo torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29511 \
-        -m training train --config cfg.json
+        --max-restarts 2 -m training train --config cfg.json --set strategy=fsdp --set precision=bf16
 
-    # from Airflow: the `train` task writes cfg.json and runs the torchrun line above.
+    # Kubernetes: every pod runs torchrun with --rdzv-backend c10d (see docs/architecture.md)
 
-The loop reads as intent: load -> {step, maybe_log, maybe_check_replicas, maybe_save} -> export.
-Only rank 0 (``is_main``) logs to MLflow and prints progress.
+The loop reads as intent: load -> {maybe_stop, step, maybe_log, maybe_check_replicas, maybe_save}
+-> export. Only rank 0 (``is_main``) logs to MLflow and prints progress.
+
+Exit codes: 0 done; 2 bad config (nothing started); 75 preempted (SIGTERM): a checkpoint of the
+current step was written, run the same command again to resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import random
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -29,14 +35,42 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from training import checkpoint, distributed
-from training.config import TrainConfig
+from training import checkpoint, distributed, precision
+from training.config import ConfigError, TrainConfig
 from training.data import ShardedSampler, load_split
 from training.datasets import read_meta
-from training.models import build_model, model_spec
+from training.models import MODEL_KIND, build_model, loss_fn, model_spec, split_batch
 from training.tracking import logger_for
+
+EXIT_PREEMPTED = 75
+
+# Fault injection for tests and chaos drills (environment, never config, so a config file can't
+# carry it into production by accident):
+#   TRAINING_FAULT_KILL_AT_STEP=STEP:RANK  that rank SIGKILLs itself after STEP, first attempt only
+#   TRAINING_FAULT_INF_GRAD_AT_STEP=STEP   gradients of STEP are set to inf before the optimizer step
+#   TRAINING_FAULT_COMM_DELAY_MS=D         (see distributed.py) not used here
+
+
+class Preempted(Exception):
+    pass
+
+
+class _Preemption:
+    """SIGTERM sets a flag; all ranks agree on it at each step boundary (a MAX all-reduce of one
+    int), so every rank stops after the same step and they write one consistent checkpoint."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -58,8 +92,9 @@ def _seed_everything(seed: int) -> None:
 def _weights_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -74,128 +109,302 @@ def _check_replicas(model: torch.nn.Module, step: int, info: distributed.DistInf
         print(f"replica check step {step}: identical on {info.world_size} ranks sha256={digest[:16]}", flush=True)
 
 
+def _fault_env(name: str) -> str | None:
+    return os.environ.get(name) or None
+
+
 def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Check everything that can be checked, then train. Raises ConfigError before any process
+    group exists when the config, the launch size, the hardware or the dataset don't fit."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.check_world_size(world)  # refuse before any process group starts
+    cfg.check_world_size(world)
+    cfg.check_device(torch.cuda.is_available())
     if not cfg.checkpoint_dir:
-        raise ValueError("config field 'checkpoint_dir': is empty. Fix: pass a folder for checkpoints")
-    meta = read_meta(cfg.dataset_uri)
+        raise ConfigError("checkpoint_dir", "is empty", "pass a folder for checkpoints")
+    try:
+        meta = read_meta(cfg.dataset_uri)
+    except FileNotFoundError as e:
+        raise ConfigError("dataset_uri", str(e), "run `python -m training make-data` or fix the path") from None
+    if MODEL_KIND[cfg.model] != meta["kind"]:
+        raise ConfigError("model", f"{cfg.model} reads {MODEL_KIND[cfg.model]} data but {cfg.dataset_uri} holds "
+                          f"{meta['kind']} data", f"use a {MODEL_KIND[cfg.model]} dataset or another model")
     train = load_split(cfg.dataset_uri, "train")
 
     info = distributed.init(cfg.collective_timeout_s)
     try:
-        return _train(cfg, info, meta, train)
+        return Trainer(cfg, info, meta, train).fit()
     finally:
         distributed.cleanup()
 
 
-def _train(cfg: TrainConfig, info: distributed.DistInfo, meta, train) -> dict[str, Any]:
-    wall_start = time.perf_counter()
-    _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
-    spec = model_spec(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth)
-    model, comm_timer = distributed.parallelize(build_model(spec), cfg, info)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
-    sampler = ShardedSampler(len(train.labels), global_batch=cfg.batch_size, rank=info.rank,
-                             world_size=info.world_size, seed=cfg.seed)
-    state = checkpoint.TrainState(model, optimizer, scheduler, sampler)
+class Trainer:
+    def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, meta: dict[str, Any], train) -> None:
+        self.cfg, self.info, self.meta = cfg, info, meta
+        self.kind = meta["kind"]
+        self.phase = "setup"
+        _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
+        self.spec = model_spec(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads, dropout=cfg.dropout)
+        self.model, self.comm_timer = distributed.parallelize(build_model(self.spec), cfg, info)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
+        self.scaler = precision.grad_scaler(cfg.precision, info.device)
+        self.sampler = ShardedSampler(len(train.features), global_batch=cfg.batch_size, rank=info.rank,
+                                      world_size=info.world_size, seed=cfg.seed)
+        self.state = checkpoint.TrainState(self.model, self.optimizer, self.scheduler, self.sampler, self.scaler)
+        self.ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, world_size=info.world_size,
+                                            config_hash=cfg.config_hash(), use_async=cfg.async_checkpoint)
+        self.features = torch.from_numpy(train.features)
+        self.labels = torch.from_numpy(train.labels) if train.labels is not None else None
+        self.logger = logger_for(info.is_main)
+        self.out = Path(cfg.output_dir) if cfg.output_dir else None
+        self.skipped_steps = 0
+        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        kill = _fault_env("TRAINING_FAULT_KILL_AT_STEP")
+        self.kill_at = tuple(int(v) for v in kill.split(":")) if kill else None
+        inf = _fault_env("TRAINING_FAULT_INF_GRAD_AT_STEP")
+        self.inf_grad_at = int(inf) if inf else None
 
-    resumed_from = checkpoint.latest_complete(cfg.checkpoint_dir)
-    if resumed_from is not None:
-        checkpoint.load(state, resumed_from)
-    logger = logger_for(info.is_main)
-    if info.is_main:
-        where = f"resuming from {resumed_from}" if resumed_from else "starting from scratch"
-        print(f"train: {info.world_size} ranks, backend={info.backend}, device={info.device.type}, {where}", flush=True)
-        if resumed_from is None:
-            logger.log_params({**cfg.to_dict(), "world_size": info.world_size, "backend": info.backend,
-                               "config_hash": cfg.config_hash(), "n_params": sum(p.numel() for p in model.parameters())})
+    # ------------------------------------------------------------------ loop
 
-    features = torch.from_numpy(train.features)
-    labels = torch.from_numpy(train.labels)
-    window = {"t0": time.perf_counter(), "steps": 0, "loss": torch.zeros((), device=info.device), "comm_s": 0.0, "data_s": 0.0}
-    first_loss = last_loss = None
-    saved_step = state.step if resumed_from else -1
+    def fit(self) -> dict[str, Any]:
+        cfg, info = self.cfg, self.info
+        wall_start = time.perf_counter()
+        resumed_from = checkpoint.latest_complete(cfg.checkpoint_dir)
+        rng_restored = False
+        if resumed_from is not None:
+            self.phase = f"loading checkpoint {resumed_from.name}"
+            rng_restored = checkpoint.load(self.state, resumed_from)
+        if not rng_restored:
+            # Fresh start, or a checkpoint from fewer ranks: per-rank streams (dropout) derived from
+            # seed, step and rank, so they differ across ranks and are reproducible.
+            _seed_everything(cfg.seed + 1 + 1000 * self.state.step + info.rank)
+        self._announce(resumed_from)
+        fault = self._fault_accounting(resumed_from)
 
-    while state.step < cfg.steps:
+        preemption = _Preemption()
+        window = self._new_window()
+        first_loss = last_loss = None
+        saved_step = self.state.step if resumed_from else -1
+        try:
+            while self.state.step < cfg.steps:
+                self.phase = "preemption check"
+                if preemption.agreed(info.device):
+                    self.ckpt.save(self.state, final=True)
+                    raise Preempted(self.state.step)
+                loss, grad_norm, skipped = self._train_step(window)
+                self.state.step += 1
+                self._record_step(loss, skipped)
+                if window["steps"] == 1 and first_loss is None:
+                    self._log_state_bytes()
+                if fault is not None:
+                    self.logger.log_metrics({**fault, "fault/recovery_s": time.time() - fault.pop("_failed_at")},
+                                            step=self.state.step)
+                    fault = None
+                self._maybe_inject_kill()
+
+                if self.state.step % cfg.log_every == 0 or self.state.step == cfg.steps:
+                    self.phase = "metrics all-reduce"
+                    stats = self._reduce_window(window, grad_norm)
+                    last_loss = stats["train/loss"]
+                    first_loss = last_loss if first_loss is None else first_loss
+                    self.logger.log_metrics(stats, step=self.state.step)
+                    self._progress(stats)
+                    window = self._new_window()
+
+                if cfg.replica_check_every and self.state.step % cfg.replica_check_every == 0:
+                    self.phase = "replica check"
+                    _check_replicas(self.model, self.state.step, info)
+
+                self.ckpt.poll()
+                if cfg.checkpoint_every and self.state.step % cfg.checkpoint_every == 0 and self.state.step < cfg.steps:
+                    self.phase = f"checkpoint save at step {self.state.step}"
+                    blocked = self.ckpt.save(self.state)
+                    window["ckpt_s"] += blocked
+                    self.logger.log_metrics({"ckpt/blocking_s": blocked}, step=self.state.step)
+                    saved_step = self.state.step
+
+            self.phase = "final export"
+            self.ckpt.wait()
+            final_dir = Path(cfg.checkpoint_dir) / checkpoint.step_dir_name(self.state.step)
+            if saved_step != self.state.step:
+                # Export the portable model before marking the folder COMPLETE, so a complete final
+                # checkpoint always carries model.safetensors.
+                checkpoint.export_model(self.model, final_dir, self.spec)
+                self.ckpt.save(self.state, final=True)
+        except Preempted:
+            raise
+        except Exception as e:
+            # Name the rank and what it was doing: a collective timeout otherwise says only "timed out".
+            raise RuntimeError(f"rank {info.rank}/{info.world_size}: {self.phase} failed at step {self.state.step}: {e}") from e
+
+        summary = {
+            "final_step": self.state.step,
+            "checkpoint_path": str(final_dir.resolve()),
+            "world_size": info.world_size,
+            "first_logged_loss": first_loss,
+            "last_logged_loss": last_loss,
+            "resumed_from": str(resumed_from) if resumed_from else None,
+            "restarts": self.restarts,
+            "skipped_steps": self.skipped_steps,
+            "train_wall_s": time.perf_counter() - wall_start,
+            "config_hash": cfg.config_hash(),
+        }
+        if info.is_main:
+            self.logger.set_tags({"checkpoint.local_path": summary["checkpoint_path"]})
+            if self.out:
+                self.out.mkdir(parents=True, exist_ok=True)
+                (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            print(f"train: done at step {self.state.step}; final checkpoint {final_dir}", flush=True)
+        return summary
+
+    def _train_step(self, window: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        cfg, info = self.cfg, self.info
+        self.phase = "data"
         t_data = time.perf_counter()
-        idx = torch.from_numpy(sampler.next_indices())
-        xb, yb = features[idx].to(info.device, non_blocking=True), labels[idx].to(info.device, non_blocking=True)
+        idx = torch.from_numpy(self.sampler.next_indices())
+        x_all = self.features[idx].to(info.device, non_blocking=True)
+        y_all = self.labels[idx].to(info.device, non_blocking=True) if self.labels is not None else None
         window["data_s"] += time.perf_counter() - t_data
 
-        loss = F.cross_entropy(model(xb), yb)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        optimizer.step()
-        scheduler.step()
-        state.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=info.device)
+        micro = cfg.batch_size // info.world_size // cfg.grad_accum
+        for m in range(cfg.grad_accum):
+            last = m == cfg.grad_accum - 1
+            xb = x_all[m * micro : (m + 1) * micro]
+            yb = y_all[m * micro : (m + 1) * micro] if y_all is not None else None
+            inputs, target = split_batch(self.kind, xb, yb)
+            self.phase = "forward/backward" + ("" if last else " (accumulation, no communication)")
+            with self._sync_context(last):  # DDP decides in forward whether backward communicates
+                with precision.autocast(cfg.precision, cfg.strategy, info.device):
+                    loss = loss_fn(self.model(inputs), target) / cfg.grad_accum
+                self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
 
-        comm_s, _ = comm_timer.pop_step()
+        self.phase = "optimizer step"
+        if self.inf_grad_at == self.state.step + 1:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("inf"))
+                    break
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        skipped = scale_before is not None and self.scaler.get_scale() < scale_before
+        self.skipped_steps += int(skipped)
+        self.scheduler.step()
+
+        comm_s, comm_bytes = self.comm_timer.pop_step()
         window["comm_s"] += comm_s
-        window["loss"] += loss.detach()
+        window["comm_bytes"] = comm_bytes
+        window["loss"] += loss_sum
         window["steps"] += 1
+        return loss_sum, grad_norm, skipped
 
-        if state.step % cfg.log_every == 0 or state.step == cfg.steps:
-            stats = _reduce_window(window, info, cfg.batch_size)
-            last_loss = stats["train/loss"]
-            first_loss = last_loss if first_loss is None else first_loss
-            stats.update({"train/lr": scheduler.get_last_lr()[0], "train/grad_norm": float(grad_norm)})
-            logger.log_metrics(stats, step=state.step)
-            if info.is_main:
-                eta = (cfg.steps - state.step) * stats["perf/step_s"]
-                print(f"step {state.step}/{cfg.steps} | loss {stats['train/loss']:.4f} | "
-                      f"{stats['perf/samples_per_s']:.0f} samples/s | comm {1000 * stats['comm/s_per_step']:.2f} ms/step | "
-                      f"eta {eta:.0f}s", flush=True)
-            window.update(t0=time.perf_counter(), steps=0, loss=torch.zeros((), device=info.device), comm_s=0.0, data_s=0.0)
+    def _sync_context(self, last_micro: bool):
+        """Accumulation micro-batches skip gradient communication: DDP ``no_sync``; FSDP2
+        ``set_requires_gradient_sync(False)`` (the reduce-scatter runs on the last one only)."""
+        if self.cfg.strategy == "ddp":
+            return contextlib.nullcontext() if last_micro else self.model.no_sync()
+        self.model.set_requires_gradient_sync(last_micro)
+        return contextlib.nullcontext()
 
-        if cfg.replica_check_every and state.step % cfg.replica_check_every == 0:
-            _check_replicas(model, state.step, info)
+    # ------------------------------------------------------------------ bookkeeping
 
-        if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
-            checkpoint.save(state, cfg.checkpoint_dir, world_size=info.world_size, config_hash=cfg.config_hash())
-            saved_step = state.step
+    def _new_window(self) -> dict[str, Any]:
+        return {"t0": time.perf_counter(), "steps": 0, "loss": torch.zeros((), device=self.info.device),
+                "comm_s": 0.0, "comm_bytes": 0, "data_s": 0.0, "ckpt_s": 0.0}
 
-    final_dir = Path(cfg.checkpoint_dir) / checkpoint.step_dir_name(state.step)
-    if saved_step != state.step:
-        # Export the portable model before marking the folder COMPLETE, so a complete final
-        # checkpoint always carries model.safetensors.
-        checkpoint.export_model(model, final_dir, spec)
-        checkpoint.save(state, cfg.checkpoint_dir, world_size=info.world_size, config_hash=cfg.config_hash())
+    def _reduce_window(self, window: dict[str, Any], grad_norm: torch.Tensor) -> dict[str, float]:
+        """Average loss and comm time over ranks; take the slowest rank's wall time."""
+        info, cfg = self.info, self.cfg
+        elapsed = time.perf_counter() - window["t0"]
+        steps = window["steps"]
+        sums = torch.tensor([float(window["loss"]), window["comm_s"], window["data_s"]], dtype=torch.float64)
+        slowest = torch.tensor([elapsed], dtype=torch.float64)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        loss_sum, comm_sum, data_sum = (sums / info.world_size).tolist()
+        step_s = float(slowest) / steps
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        stats = {
+            "train/loss": loss_sum / steps,
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/grad_norm": float(norm),
+            "perf/step_s": step_s,
+            "perf/samples_per_s": cfg.batch_size / step_s,
+            "perf/data_wait_s": data_sum / steps,
+        }
+        if self.kind == "tokens":
+            stats["perf/tokens_per_s"] = cfg.batch_size * self.spec["seq_len"] / step_s
+        if cfg.strategy == "ddp":  # FSDP's all-gather / reduce-scatter are not timed by a DDP hook
+            stats["comm/s_per_step"] = comm_sum / steps
+            stats["comm/bytes_per_step"] = float(window["comm_bytes"])
+        if self.scaler.is_enabled():
+            stats["train/loss_scale"] = self.scaler.get_scale()
+            stats["train/skipped_steps"] = float(self.skipped_steps)
+        return stats
 
-    summary = {
-        "final_step": state.step,
-        "checkpoint_path": str(final_dir.resolve()),
-        "world_size": info.world_size,
-        "first_logged_loss": first_loss,
-        "last_logged_loss": last_loss,
-        "resumed_from": str(resumed_from) if resumed_from else None,
-        "train_wall_s": time.perf_counter() - wall_start,
-        "config_hash": cfg.config_hash(),
-    }
-    if info.is_main:
-        logger.set_tags({"checkpoint.local_path": summary["checkpoint_path"]})
-        if cfg.output_dir:
-            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.output_dir) / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"train: done at step {state.step}; final checkpoint {final_dir}", flush=True)
-    return summary
+    def _progress(self, stats: dict[str, float]) -> None:
+        if not self.info.is_main:
+            return
+        eta = (self.cfg.steps - self.state.step) * stats["perf/step_s"]
+        comm = f" | comm {1000 * stats['comm/s_per_step']:.2f} ms/step" if "comm/s_per_step" in stats else ""
+        scale = f" | scale {stats['train/loss_scale']:.0f} skipped {self.skipped_steps}" if "train/loss_scale" in stats else ""
+        print(f"step {self.state.step}/{self.cfg.steps} | loss {stats['train/loss']:.4f} | "
+              f"{stats['perf/samples_per_s']:.0f} samples/s{comm}{scale} | eta {eta:.0f}s", flush=True)
 
+    def _announce(self, resumed_from: Path | None) -> None:
+        info, cfg = self.info, self.cfg
+        if not info.is_main:
+            return
+        where = f"resuming from {resumed_from} (step {self.state.step})" if resumed_from else "starting from scratch"
+        print(f"train: {cfg.model}/{cfg.strategy}/{cfg.precision} on {info.world_size} ranks, backend={info.backend}, "
+              f"device={info.device.type}, restart {self.restarts}, {where}", flush=True)
+        if resumed_from is None:
+            self.logger.log_params({**cfg.to_dict(), "world_size": info.world_size, "backend": info.backend,
+                                    "config_hash": cfg.config_hash(),
+                                    "n_params": sum(p.numel() for p in self.model.parameters())})
 
-def _reduce_window(window: dict[str, Any], info: distributed.DistInfo, global_batch: int) -> dict[str, float]:
-    """Average loss and comm time over ranks; take the slowest rank's wall time."""
-    elapsed = time.perf_counter() - window["t0"]
-    steps = window["steps"]
-    sums = torch.tensor([float(window["loss"]), window["comm_s"], window["data_s"]], dtype=torch.float64)
-    slowest = torch.tensor([elapsed], dtype=torch.float64)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    loss_sum, comm_sum, data_sum = (sums / info.world_size).tolist()
-    step_s = float(slowest) / steps
-    return {
-        "train/loss": loss_sum / steps,
-        "perf/step_s": step_s,
-        "perf/samples_per_s": global_batch / step_s,
-        "perf/data_wait_s": data_sum / steps,
-        "comm/s_per_step": comm_sum / steps,
-    }
+    def _log_state_bytes(self) -> None:
+        """Parameters + optimizer state held by this rank (optimizer state exists after step 1)."""
+        nbytes = distributed.local_state_bytes(self.model, self.optimizer)
+        if self.info.is_main:
+            print(f"memory: {nbytes} bytes of parameters + optimizer state per rank ({self.cfg.strategy})", flush=True)
+            self.logger.log_metrics({"mem/state_bytes_per_rank": float(nbytes)}, step=self.state.step)
+
+    def _fault_accounting(self, resumed_from: Path | None) -> dict[str, float] | None:
+        """After a restart: how many completed steps were lost and when the failure happened, from
+        the heartbeat rank 0 writes after every step. recovery_s is measured from that heartbeat
+        (the last sign of life, at most one step before the failure) to the first completed step
+        after the restart."""
+        if not (self.info.is_main and self.out and resumed_from is not None):
+            return None
+        hb = self.out / "heartbeat.json"
+        if not hb.exists():
+            return None
+        beat = json.loads(hb.read_text())
+        if beat["step"] <= self.state.step:
+            return None  # the previous attempt ended exactly at this checkpoint (e.g. preemption)
+        return {"fault/restarts": float(self.restarts), "fault/steps_lost": float(beat["step"] - self.state.step),
+                "_failed_at": beat["time"]}
+
+    def _record_step(self, loss: torch.Tensor, skipped: bool) -> None:
+        """Rank 0: heartbeat and the exact per-step loss (float.hex) for reproducibility checks."""
+        if not (self.info.is_main and self.out):
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.out / "steps.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.state.step, "loss": float(loss).hex(), "skipped": skipped,
+                                "restart": self.restarts}) + "\n")
+        tmp = self.out / "heartbeat.json.tmp"
+        tmp.write_text(json.dumps({"step": self.state.step, "time": time.time()}))
+        os.replace(tmp, self.out / "heartbeat.json")
+
+    def _maybe_inject_kill(self) -> None:
+        if self.kill_at and self.restarts == 0 and self.kill_at == (self.state.step, self.info.rank):
+            print(f"fault injection: rank {self.info.rank} SIGKILLs itself after step {self.state.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,23 +1,15 @@
 """Real torchrun, two ranks, gloo over loopback: DDP keeps the replicas bit-identical."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 from safetensors.torch import load_file
 
-from tests.conftest import free_port
+from tests.conftest import run_torchrun
 
 
 def _torchrun(nproc, *sets, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "training", "train",
-           *[a for s in sets for a in ("--set", s)]]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    env.pop("MLFLOW_RUN_ID", None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return run_torchrun(nproc, list(sets), timeout=timeout)
 
 
 def test_two_ranks_stay_identical_after_every_step(dataset, tmp_path):
