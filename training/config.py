@@ -20,6 +20,8 @@ MODELS = ("mlp", "cnn", "transformer")
 STRATEGIES = ("ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 COMM_HOOKS = ("none", "fp16", "bf16")
+# Which dataset kind (dataset.json "kind") each model reads.
+MODEL_KIND = {"mlp": "tabular", "cnn": "images", "transformer": "tokens"}
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -102,6 +104,12 @@ class TrainConfig:
                 f"{self.batch_size} is not divisible by world_size={world_size} x grad_accum={self.grad_accum}",
                 f"choose a batch_size that is a multiple of {world_size * self.grad_accum}",
             )
+
+    def check_dataset(self, meta: dict[str, Any]) -> None:
+        """The model must read the kind of data the dataset holds."""
+        if MODEL_KIND[self.model] != meta.get("kind"):
+            raise ConfigError("model", f"{self.model} reads {MODEL_KIND[self.model]} data but {self.dataset_uri} holds "
+                              f"{meta.get('kind')} data", f"use a {MODEL_KIND[self.model]} dataset or another model")
 
     def check_device(self, cuda: bool) -> None:
         """Rules that depend on the hardware the ranks run on."""

@@ -129,10 +129,6 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     raise ValueError(f"unknown model {spec['model']!r} in model config")
 
 
-# Which dataset kind each model reads; checked before any process starts.
-MODEL_KIND = {"mlp": "tabular", "cnn": "images", "transformer": "tokens"}
-
-
 def split_batch(kind: str, x: torch.Tensor, y: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Model input and target for one batch: tokens predict their successor."""
     if kind == "tokens":

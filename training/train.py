@@ -40,7 +40,7 @@ from training import checkpoint, distributed, precision
 from training.config import ConfigError, TrainConfig
 from training.data import ShardedSampler, load_split
 from training.datasets import read_meta
-from training.models import MODEL_KIND, build_model, loss_fn, model_spec, split_batch
+from training.models import build_model, loss_fn, model_spec, split_batch
 from training.tracking import logger_for
 
 EXIT_PREEMPTED = 75
@@ -125,9 +125,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         meta = read_meta(cfg.dataset_uri)
     except FileNotFoundError as e:
         raise ConfigError("dataset_uri", str(e), "run `python -m training make-data` or fix the path") from None
-    if MODEL_KIND[cfg.model] != meta["kind"]:
-        raise ConfigError("model", f"{cfg.model} reads {MODEL_KIND[cfg.model]} data but {cfg.dataset_uri} holds "
-                          f"{meta['kind']} data", f"use a {MODEL_KIND[cfg.model]} dataset or another model")
+    cfg.check_dataset(meta)
     train = load_split(cfg.dataset_uri, "train")
 
     info = distributed.init(cfg.collective_timeout_s)
@@ -220,6 +218,9 @@ class Trainer:
                     self.phase = f"checkpoint save at step {self.state.step}"
                     blocked = self.ckpt.save(self.state)
                     window["ckpt_s"] += blocked
+                    if info.is_main:
+                        print(f"checkpoint step {self.state.step}: training blocked {blocked:.4f}s "
+                              f"({'async' if cfg.async_checkpoint else 'sync'})", flush=True)
                     self.logger.log_metrics({"ckpt/blocking_s": blocked}, step=self.state.step)
                     saved_step = self.state.step
 

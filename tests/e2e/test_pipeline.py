@@ -69,7 +69,9 @@ def test_full_pipeline_on_s3(airflow_db, dataset, s3_server, tmp_path):
     manifest = json.loads(s3.get_object(Bucket="checkpoints", Key=f"{prefix}/step_{STEPS:08d}/manifest.json")["Body"].read())
     assert manifest["step"] == STEPS and manifest["world_size"] == 2
     names = {f["path"] for f in manifest["files"]}
-    assert {"model.safetensors", "model_config.json", "COMPLETE", ".metadata"} <= names and len(names) == 6
+    # DCP metadata + one shard and one RNG-state file per rank, the marker, the portable model.
+    assert names == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng_rank0.pt", "rng_rank1.pt", "COMPLETE",
+                     "model.safetensors", "model_config.json"}
     for f in manifest["files"]:
         body = s3.get_object(Bucket="checkpoints", Key=f"{prefix}/step_{STEPS:08d}/{f['path']}")["Body"].read()
         assert (len(body), hashlib.sha256(body).hexdigest()) == (f["size"], f["sha256"]), f["path"]
