@@ -61,6 +61,7 @@ class TrainConfig:
     log_every: int = 10
     replica_check_every: int = 0
     collective_timeout_s: int = 300
+    preempt_grace_s: int = 60
 
     def __post_init__(self) -> None:
         _one_of("model", self.model, MODELS)
@@ -75,7 +76,8 @@ class TrainConfig:
                               "use precision=bf16 with fsdp, or strategy=ddp for fp16")
         if not self.dataset_uri:
             raise ConfigError("dataset_uri", "is empty", "pass the dataset folder, e.g. --set dataset_uri=var/data/teacher")
-        for name in ("steps", "batch_size", "grad_accum", "hidden", "depth", "n_heads", "log_every", "collective_timeout_s"):
+        for name in ("steps", "batch_size", "grad_accum", "hidden", "depth", "n_heads", "log_every", "collective_timeout_s",
+                     "preempt_grace_s"):
             _positive_int(name, getattr(self, name))
         for name in ("checkpoint_every", "replica_check_every", "warmup_steps"):
             _non_negative_int(name, getattr(self, name))
@@ -151,6 +153,7 @@ FIELD_HELP = {
     "log_every": "log metrics and a progress line every N steps",
     "replica_check_every": "every N steps, compare a hash of the weights across ranks and fail on divergence (0 = off)",
     "collective_timeout_s": "timeout of one collective; a hung rank fails the run after this long",
+    "preempt_grace_s": "after SIGTERM, seconds a rank may take to checkpoint and exit before it exits anyway",
 }
 assert set(FIELD_HELP) == {f.name for f in dataclasses.fields(TrainConfig)}
 

@@ -49,7 +49,8 @@ EXIT_PREEMPTED = 75
 # carry it into production by accident):
 #   TRAINING_FAULT_KILL_AT_STEP=STEP:RANK  that rank SIGKILLs itself after STEP, first attempt only
 #   TRAINING_FAULT_INF_GRAD_AT_STEP=STEP   gradients of STEP are set to inf before the optimizer step
-#   TRAINING_FAULT_COMM_DELAY_MS=D         (see distributed.py) not used here
+#   TRAINING_FAULT_HANG_AT_STEP=STEP:RANK  that rank stops responding after STEP (a hung GPU, a
+#                                          deadlock): its peers' next collective times out
 
 
 class Preempted(Exception):
@@ -60,12 +61,22 @@ class _Preemption:
     """SIGTERM sets a flag; all ranks agree on it at each step boundary (a MAX all-reduce of one
     int), so every rank stops after the same step and they write one consistent checkpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float) -> None:
         self.requested = False
+        self.grace_s = grace_s
         signal.signal(signal.SIGTERM, self._handler)
 
     def _handler(self, signum, frame) -> None:
+        if self.requested:  # a second SIGTERM: stop now
+            os._exit(128 + signal.SIGTERM)
         self.requested = True
+        # A rank stuck in a collective never reaches the step boundary; torchrun's teardown of a
+        # failed group also arrives as SIGTERM. Don't outlive the grace period either way.
+        import threading
+
+        timer = threading.Timer(self.grace_s, os._exit, args=(128 + signal.SIGTERM,))
+        timer.daemon = True
+        timer.start()
 
     def agreed(self, device: torch.device) -> bool:
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
@@ -159,6 +170,8 @@ class Trainer:
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         kill = _fault_env("TRAINING_FAULT_KILL_AT_STEP")
         self.kill_at = tuple(int(v) for v in kill.split(":")) if kill else None
+        hang = _fault_env("TRAINING_FAULT_HANG_AT_STEP")
+        self.hang_at = tuple(int(v) for v in hang.split(":")) if hang else None
         inf = _fault_env("TRAINING_FAULT_INF_GRAD_AT_STEP")
         self.inf_grad_at = int(inf) if inf else None
 
@@ -179,7 +192,7 @@ class Trainer:
         self._announce(resumed_from)
         fault = self._fault_accounting(resumed_from)
 
-        preemption = _Preemption()
+        preemption = _Preemption(cfg.preempt_grace_s)
         window = self._new_window()
         first_loss = last_loss = None
         saved_step = self.state.step if resumed_from else -1
@@ -409,3 +422,7 @@ class Trainer:
         if self.kill_at and self.restarts == 0 and self.kill_at == (self.state.step, self.info.rank):
             print(f"fault injection: rank {self.info.rank} SIGKILLs itself after step {self.state.step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.hang_at and self.restarts == 0 and self.hang_at == (self.state.step, self.info.rank):
+            print(f"fault injection: rank {self.info.rank} hangs after step {self.state.step}", flush=True)
+            while True:
+                time.sleep(3600)

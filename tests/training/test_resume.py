@@ -157,3 +157,14 @@ def test_model_and_dataset_kind_must_match(dataset, tmp_path):
     proc = run_torchrun(1, _sets(dataset, tmp_path, "ddp", "fp32", model="transformer"))
     assert proc.returncode != 0
     assert "config field 'model': transformer reads tokens data" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_a_hung_rank_times_out_and_the_error_names_rank_and_operation(dataset, tmp_path):
+    proc = run_torchrun(2, _sets(dataset, tmp_path, "ddp", "fp32", collective_timeout_s=5, preempt_grace_s=2),
+                        env={"TRAINING_FAULT_HANG_AT_STEP": "3:1"}, timeout=180)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "rank 1 hangs after step 3" in out
+    # Rank 0 waits in the step-boundary agreement of step 4 until the 5 s collective timeout.
+    assert "RuntimeError: rank 0/2: preemption check failed at step 3:" in out, out[-4000:]
