@@ -8,9 +8,9 @@ it in the same run, rounds interleaved so both see the same machine load:
 - ``boto3 default``: ``client.upload_file`` with boto3's default client and TransferConfig;
 - ``ours: put_file``: ``S3Store.put_file`` (our TransferConfig, retries, sha256 metadata);
 - ``ours: upload_checkpoint``: the whole commit of a one-file checkpoint (sha256 of the file,
-  upload, manifest, ``latest``), what the ``upload_checkpoint`` task does.
+  making the client, upload, manifest, ``latest``), what the ``upload_checkpoint`` task does.
 
-Prints MB/s per variant (median of the rounds) and the ratio ours / boto3 default. ``--sweep``
+Prints MiB/s per variant (median of the rounds) and the ratio ours / boto3 default. ``--sweep``
 also tries other part sizes and concurrencies (how the defaults in training/storage.py were chosen).
 The figures measure the client and a local Python S3 server; against a real S3 endpoint the network
 decides, and larger parts with more in flight matter more there.
@@ -53,7 +53,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=200, help="file size in MB (default 200)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant (default 3)")
-    ap.add_argument("--sweep", action="store_true", help="also try other part sizes / concurrencies")
+    ap.add_argument("--sweep", default="", metavar="MBxTHREADS,...",
+                    help="also try these part sizes (MiB) x concurrencies, e.g. 8x8,16x8,64x4")
     a = ap.parse_args()
 
     port = _free_port()
@@ -80,13 +81,16 @@ def main() -> int:
                     f.write(os.urandom(1 << 20))
             (ck / "COMPLETE").write_text(json.dumps({"step": 1, "world_size": 1, "config_hash": "bench"}))
             sha = storage.sha256_file(data)
-            mb = data.stat().st_size / 1e6
+            mb = data.stat().st_size / 2**20
 
             def boto3_default(i: int) -> None:
                 raw.upload_file(str(data), "bench", f"raw/{i}")
 
+            stores: dict[tuple, storage.S3Store] = {}
+
             def ours_put(i: int, **env: str) -> None:
-                storage.open_store("s3://bench/ours", env).put_file(data, f"put/{i}", sha)
+                # One store object per setting, made before timing starts (like the raw client).
+                stores[tuple(sorted(env.items()))].put_file(data, f"put/{i}", sha)
 
             def ours_commit(i: int) -> None:
                 storage.upload_checkpoint(ck, f"s3://bench/commit{i}", experiment="bench", run_id="r")
@@ -94,11 +98,15 @@ def main() -> int:
             variants = {"boto3 default (8 MiB parts, 10 threads)": boto3_default,
                         f"ours: put_file ({storage.PART_SIZE >> 20} MiB parts, {storage.CONCURRENCY} threads)": ours_put,
                         "ours: upload_checkpoint (sha256 + upload + manifest + latest)": ours_commit}
-            if a.sweep:
-                for part in (8, 16, 64):
-                    for conc in (4, 8, 16):
-                        variants[f"sweep: {part} MiB parts, {conc} threads"] = (
-                            lambda i, p=part, c=conc: ours_put(i, TRAINING_S3_PART_SIZE_MB=str(p), TRAINING_S3_CONCURRENCY=str(c)))
+            for spec in filter(None, a.sweep.split(",")):
+                part, conc = spec.split("x")
+                variants[f"sweep: put_file, {part} MiB parts, {conc} threads"] = (
+                    lambda i, p=part, c=conc: ours_put(i, TRAINING_S3_PART_SIZE_MB=p, TRAINING_S3_CONCURRENCY=c))
+            stores[()] = storage.open_store("s3://bench/ours")
+            for spec in filter(None, a.sweep.split(",")):
+                part, conc = spec.split("x")
+                env = {"TRAINING_S3_PART_SIZE_MB": part, "TRAINING_S3_CONCURRENCY": conc}
+                stores[tuple(sorted(env.items()))] = storage.open_store("s3://bench/ours", env)
             times: dict[str, list[float]] = {k: [] for k in variants}
             for r in range(a.rounds):
                 for name, fn in variants.items():
@@ -112,10 +120,11 @@ def main() -> int:
                         raw.delete_objects(Bucket="bench", Delete={"Objects": keys})
 
         base = statistics.median(times["boto3 default (8 MiB parts, 10 threads)"])
-        print(f"file: {mb:.0f} MB, moto_server on 127.0.0.1, {a.rounds} interleaved rounds, median per variant")
+        print(f"file: {mb:.0f} MiB, moto_server on 127.0.0.1, {a.rounds} interleaved rounds, median per variant")
         for name, ts in times.items():
             med = statistics.median(ts)
-            print(f"  {name:64s} {mb / med:7.1f} MB/s  ({med:.2f} s)  x{base / med:.2f} vs boto3 default")
+            print(f"  {name:64s} {mb / med:7.1f} MiB/s  ({med:.2f} s)  x{base / med:.2f} vs boto3 default")
+        print(f"machine load (1-min average) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         return 0
     finally:
         server.terminate()

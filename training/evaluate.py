@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +32,13 @@ def score(model: torch.nn.Module, features: torch.Tensor, labels: torch.Tensor, 
     return {"eval/loss": loss_sum / len(labels), "eval/accuracy": correct / len(labels)}
 
 
-def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_dir: str | None = None) -> dict[str, Any]:
+def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_dir: str | None = None,
+        store_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     meta = read_meta(dataset_uri)
     val = load_split(dataset_uri, "validation")
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
-        local, manifest, warnings = storage.fetch_checkpoint(store_uri, experiment=experiment, run_id=run_id, dest=tmp)
+        local, manifest, warnings = storage.fetch_checkpoint(store_uri, experiment=experiment, run_id=run_id, dest=tmp,
+                                                             env=store_env)
         if not (local / checkpoint.MODEL_FILE).is_file():
             raise storage.CheckpointCorrupt(f"{local.name} has no {checkpoint.MODEL_FILE}: not a final checkpoint")
         model, spec = checkpoint.load_exported(local)

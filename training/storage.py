@@ -138,9 +138,10 @@ S3_ENV_KEYS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", 
                "TRAINING_S3_CONCURRENCY")
 
 # Multipart settings for checkpoint shards (tens of MB to GBs each). boto3's defaults are 8 MiB
-# parts and 10 threads; larger parts mean fewer requests (and fewer per-request signatures and
-# checksums) per shard, and benchmarks/upload_bench.py measures the choice against the defaults.
-PART_SIZE = 32 << 20
+# parts and 10 threads. 16 MiB halves the requests (signatures, checksums, round trips) per shard,
+# allows objects up to 160 GB within S3's 10,000-part limit, and still keeps 8 parts in flight for
+# any shard of 128 MiB or more. benchmarks/upload_bench.py measures it against the defaults.
+PART_SIZE = 16 << 20
 CONCURRENCY = 8
 
 
@@ -167,7 +168,7 @@ class S3Store:
     ``AWS_MAX_ATTEMPTS`` (total attempts per request, default 8) and ``AWS_RETRY_MODE`` (default
     ``standard``: exponential backoff with jitter on throttling, 5xx and dropped connections),
     ``TRAINING_S3_CONNECT_TIMEOUT_S`` (default 5), ``TRAINING_S3_READ_TIMEOUT_S`` (default 60),
-    ``TRAINING_S3_PART_SIZE_MB`` (multipart part size, default 32) and ``TRAINING_S3_CONCURRENCY``
+    ``TRAINING_S3_PART_SIZE_MB`` (multipart part size, default 16) and ``TRAINING_S3_CONCURRENCY``
     (parts in flight, default 8).
     """
 
@@ -187,7 +188,8 @@ class S3Store:
         if "AWS_ACCESS_KEY_ID" in cfg and "AWS_SECRET_ACCESS_KEY" in cfg:
             kwargs.update(aws_access_key_id=cfg["AWS_ACCESS_KEY_ID"], aws_secret_access_key=cfg["AWS_SECRET_ACCESS_KEY"],
                           aws_session_token=cfg.get("AWS_SESSION_TOKEN"))
-        self.client = boto3.session.Session().client(
+        # boto3's default session: its loaded service models are reused by every store object.
+        self.client = boto3.client(
             "s3", endpoint_url=self.endpoint,
             region_name=cfg.get("AWS_DEFAULT_REGION") or cfg.get("AWS_REGION") or "us-east-1",
             config=Config(retries={"total_max_attempts": self.attempts, "mode": cfg.get("AWS_RETRY_MODE", "standard")},

@@ -40,7 +40,17 @@ def training_params() -> dict[str, Param]:
         "store_uri": Param(
             settings.default_store_uri(), type="string", pattern=r"^(file|s3)://.+", title="Checkpoint store",
             description="Where the final checkpoint is committed: file:///folder or s3://bucket/prefix. "
-                        "S3 endpoint and credentials come from the worker's AWS_* environment, never from here."),
+                        "S3 endpoint and credentials come from the connection in aws_conn_id or the worker's "
+                        "AWS_* environment, never from here."),
+        "aws_conn_id": Param(
+            None, type=["null", "string"], pattern=r"^([A-Za-z0-9_.-]{1,250})?$", title="AWS connection",
+            description="Airflow connection (type Amazon Web Services) with the S3 keys, region and endpoint_url "
+                        "(extra) for an s3:// store. Empty: the worker's AWS_* environment. The keys reach the "
+                        "store as environment only, never a command line, XCom or MLflow."),
+        "retention_keep_last": Param(
+            3, type="integer", minimum=0, maximum=1000, title="Keep last K checkpoints",
+            description="After evaluation, the run's stored checkpoints are pruned to the last K, plus the best "
+                        "by eval/loss and whatever `latest` names (never deleted). 0 keeps all."),
         "max_restarts": Param(0, type="integer", minimum=0, maximum=10, title="torchrun max restarts",
                               description="How often torchrun restarts the rank group after a rank dies."),
         "backend": Param(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from training_airflow import launcher, settings
+from training_airflow import connections, launcher, settings
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,24 @@ def train_config(params: dict[str, Any], *, checkpoint_dir: str = "-", output_di
     except ConfigError as e:
         raise AirflowFailException(f"invalid run parameters: {e}") from None
     return cfg
+
+
+def _record_verdict(logger, report: dict[str, Any], docs_dir: str) -> None:
+    """The data gate's verdict in the MLflow run: tags, data_validation.json (failed expectations
+    with observed values, every file's sha256, row counts) and GX's Data Docs under data_docs/."""
+    tags = {"data.validation": "passed" if report["success"] else "failed",
+            "data.failed_expectations": len(report["failures"])}
+    if report.get("fingerprint"):
+        tags["data.fingerprint"] = report["fingerprint"]
+    for split, rows in report.get("rows", {}).items():
+        tags[f"data.rows_{split}"] = rows
+    logger.set_tags({**tags, "dataset_uri": report["dataset_uri"]})
+    logger.log_text(json.dumps(report, indent=2), "data_validation.json")
+    if report.get("data_docs"):
+        # The HTML pages and their style sheet; GX's bundled fonts and images (~4 MB) stay out.
+        shutil.rmtree(Path(docs_dir) / "static" / "fonts", ignore_errors=True)
+        shutil.rmtree(Path(docs_dir) / "static" / "images", ignore_errors=True)
+        logger.client.log_artifacts(logger.run_id, docs_dir, "data_docs")
 
 
 def _logger(run_id: str):
@@ -60,6 +80,7 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> di
         world_size = kubernetes.world_sizes(params)[-1]
     else:
         train_config(params)  # cross-field rules fail here, before any rank starts
+    connections.store_env(params)  # a missing or unreadable aws_conn_id fails here too
 
     run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=dag_run_id,
                       tags={"backend": backend, "world_size": str(world_size), "model": params["model"]})
@@ -69,16 +90,14 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> di
     from training.validation import DataValidationError, validate
 
     dataset = settings.resolve_path(params["dataset_uri"])
-    try:
-        report = validate(dataset)
-    except DataValidationError as e:
-        logger.set_tags({"data.validation": "failed"})
-        logger.log_text(json.dumps(e.report, indent=2), "data_validation.json")
-        logger.finish("FAILED")
-        raise AirflowFailException(str(e)) from None
-    logger.set_tags({"data.validation": "passed", "data.fingerprint": report["fingerprint"],
-                     "data.rows_train": report["rows"]["train"], "dataset_uri": dataset})
-    logger.log_text(json.dumps(report, indent=2), "data_validation.json")
+    with tempfile.TemporaryDirectory(prefix="gx-docs-") as docs:
+        try:
+            report = validate(dataset, docs_dir=docs)
+        except DataValidationError as e:
+            _record_verdict(logger, e.report, docs)
+            logger.finish("FAILED")
+            raise AirflowFailException(str(e)) from None
+        _record_verdict(logger, report, docs)
     log.info("data gate passed: %s rows, fingerprint %s", report["rows"], report["fingerprint"][:16])
     return {"mlflow_run_id": run_id, "dataset_fingerprint": report["fingerprint"]}
 
@@ -96,7 +115,9 @@ def train(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
     nproc = int(params["world_size"])
     cmd = launcher.torchrun_command(nproc=nproc, config_path=config_path, max_restarts=int(params["max_restarts"]),
                                     port=launcher.free_port())
-    env = launcher.rank_env(nproc, {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]})
+    # S3 settings of aws_conn_id (if any) travel as environment of the ranks, never as arguments.
+    env = launcher.rank_env(nproc, {**connections.store_env(params), "MLFLOW_RUN_ID": run_id,
+                                    "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]})
     result = launcher.run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT)
     if result.returncode != 0:
         raise launcher.TrainingFailed(launcher.explain_failure(result))
@@ -114,7 +135,8 @@ def upload_checkpoint(params: dict[str, Any], handoff: dict[str, Any]) -> dict[s
 
     run_id = handoff["mlflow_run_id"]
     try:
-        c = upload(handoff["checkpoint_path"], params["store_uri"], experiment=params["experiment"], run_id=run_id)
+        c = upload(handoff["checkpoint_path"], params["store_uri"], experiment=params["experiment"], run_id=run_id,
+                   env=connections.store_env(params))
     except StoreError as e:
         raise RuntimeError(f"checkpoint upload failed: {e}") from None
     log.info("committed %s (%d objects uploaded, %d already there) in %.2fs", c.uri, c.uploaded, c.skipped, c.seconds)
@@ -131,15 +153,38 @@ def evaluate(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
 
     run_id = handoff["mlflow_run_id"]
     settings.work_dir().mkdir(parents=True, exist_ok=True)
+    store_env = connections.store_env(params)
     result = run(store_uri=params["store_uri"], experiment=params["experiment"], run_id=run_id,
-                 dataset_uri=settings.resolve_path(params["dataset_uri"]), work_dir=str(settings.work_dir()))
+                 dataset_uri=settings.resolve_path(params["dataset_uri"]), work_dir=str(settings.work_dir()),
+                 store_env=store_env)
     logger = _logger(run_id)
     logger.log_metrics({"eval/loss": result["eval/loss"], "eval/accuracy": result["eval/accuracy"]}, step=result["step"])
     if result["warnings"]:
-        logger.set_tags({"checkpoint.fallback": "; ".join(result["warnings"])})
+        for w in result["warnings"]:
+            log.warning("checkpoint fallback: %s", w)
+        logger.set_tags({"checkpoint.fallback": "; ".join(result["warnings"]),
+                         "checkpoint.evaluated": result["checkpoint_step_dir"]})
+    keep_checkpoints(params, run_id, result, store_env)
     log.info("eval at step %d: loss %.4f, accuracy %.4f (reachable %.3f, chance %.3f)", result["step"],
              result["eval/loss"], result["eval/accuracy"], result["bayes_accuracy"], result["chance_accuracy"])
     return {**handoff, "eval_loss": result["eval/loss"], "eval_accuracy": result["eval/accuracy"]}
+
+
+def keep_checkpoints(params: dict[str, Any], run_id: str, result: dict[str, Any], store_env: dict[str, str]) -> None:
+    """Record the evaluation next to the checkpoint, then prune the run's stored checkpoints to the
+    last ``retention_keep_last``, the best by eval/loss and whatever `latest` names."""
+    from training.storage import StoreError, apply_retention, record_eval
+
+    where = {"experiment": params["experiment"], "run_id": run_id, "env": store_env}
+    try:
+        record_eval(params["store_uri"], step_dir=result["checkpoint_step_dir"],
+                    metrics={"eval/loss": result["eval/loss"], "eval/accuracy": result["eval/accuracy"]}, **where)
+        keep = int(params.get("retention_keep_last", 0) or 0)
+        if keep:
+            r = apply_retention(params["store_uri"], keep_last=keep, metric="eval/loss", mode="min", **where)
+            log.info("retention: kept %s, deleted %s", r.kept, r.deleted or "nothing")
+    except StoreError as e:  # the model is evaluated; a store that cannot prune is worth a warning, not a failure
+        log.warning("checkpoint retention skipped: %s", e)
 
 
 def report(params: dict[str, Any], handoff: dict[str, Any], *, dag_run_start: datetime | None) -> dict[str, Any]:

@@ -69,7 +69,7 @@ def test_nulls_and_out_of_range_labels_are_named(clean, tmp_path):
         df.loc[20:24, "label"] = 7
 
     failures = _failures(_rewrite(clean, tmp_path / "bad", "train", corrupt))
-    assert "train: expect_column_values_to_not_be_null(f3): 10 bad values, e.g. ['NaN', 'NaN', 'NaN']" in failures
+    assert "train: expect_column_values_to_not_be_null(f3): 10 bad values" in failures
     assert "train: expect_column_values_to_be_in_set(label): 5 bad values, e.g. [7, 7, 7]" in failures
     assert not any(f.startswith("validation:") for f in failures)  # the clean split is not blamed
 
@@ -77,7 +77,7 @@ def test_nulls_and_out_of_range_labels_are_named(clean, tmp_path):
 def test_nulls_in_the_label_column(clean, tmp_path):
     bad = _rewrite(clean, tmp_path / "bad", "validation", lambda df: df.assign(label=df["label"].astype("Int64").mask(df.index < 3)))
     assert _failures(bad) == [
-        "validation: expect_column_values_to_not_be_null(label): 3 bad values, e.g. ['null', 'null', 'null']"]
+        "validation: expect_column_values_to_not_be_null(label): 3 bad values"]
 
 
 @pytest.mark.parametrize("value, check", [(np.inf, "max"), (-np.inf, "min")])
