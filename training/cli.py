@@ -30,7 +30,7 @@ def _cmd_validate(a: argparse.Namespace) -> int:
     from training.validation import DataValidationError, validate
 
     try:
-        report = validate(a.dataset_uri, min_rows=a.min_rows)
+        report = validate(a.dataset_uri, min_rows=a.min_rows, docs_dir=a.docs_dir)
     except DataValidationError as e:
         print(str(e), file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("validate", help="run the Great Expectations data gate on a dataset")
     s.add_argument("--dataset-uri", required=True, help="dataset folder")
-    s.add_argument("--min-rows", type=int, default=100, help="fewest rows a split may have")
+    s.add_argument("--min-rows", type=int, default=None,
+                   help="fewest rows a split may have (default: the dataset schema's min_rows, 100 unless set)")
+    s.add_argument("--docs-dir", default=None, help="also build Great Expectations Data Docs (HTML) in this folder")
     s.set_defaults(fn=_cmd_validate)
 
     fields = "\n".join(f"  {k:22s} {v}" for k, v in FIELD_HELP.items())

@@ -1,6 +1,6 @@
 """The data gate: Great Expectations 1.x suites built from the schema in ``dataset.json``.
 
-    python -m training validate --dataset-uri var/data/teacher [--docs-dir /tmp/gx-docs]
+    python -m training validate --dataset-uri var/data/teacher [--min-rows N] [--docs-dir /tmp/gx-docs]
 
 The schema comes from the dataset itself, so every dataset kind (tabular, images, tokens) is
 checked by the same code. ``dataset.json`` either carries an explicit ``schema`` section::

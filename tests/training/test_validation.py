@@ -234,3 +234,27 @@ def test_data_docs_are_built_with_gx(clean, tmp_path):
     assert len(pages) == 2, pages  # one validation page per split
     train_page = next(p.read_text() for p in pages if "train" in str(p))
     assert "f1" in train_page and "values must never be null" in train_page.lower()
+
+
+def test_cli_uses_the_schema_minimum_and_builds_docs(clean, tmp_path):
+    """`python -m training validate`: exit 2 with one line per problem; the schema's min_rows holds
+    unless --min-rows overrides it; --docs-dir writes GX Data Docs."""
+    import subprocess
+    import sys
+
+    data = _copy(clean, tmp_path / "d")
+    meta = json.loads((data / "dataset.json").read_text())
+    meta["schema"] = {**schema_from_meta(meta).to_dict(), "min_rows": 1000}
+    (data / "dataset.json").write_text(json.dumps(meta))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "training", "validate", "--dataset-uri", str(data), *args],
+                              capture_output=True, text=True, timeout=300)
+
+    bad = cli("--docs-dir", str(tmp_path / "docs"))
+    assert bad.returncode == 2
+    assert "  - validation: expect_table_row_count_to_be_between: observed 500, allowed {'min_value': 1000}" in bad.stderr
+    assert (tmp_path / "docs" / "index.html").is_file()
+    ok = cli("--min-rows", "400")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads(ok.stdout.strip().splitlines()[-1])["success"] is True
