@@ -20,6 +20,7 @@ MODELS = ("mlp", "cnn", "transformer")
 STRATEGIES = ("ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 COMM_HOOKS = ("none", "fp16", "bf16")
+TARGET_METRICS = ("eval/accuracy", "eval/loss")
 # Which dataset kind (dataset.json "kind") each model reads.
 MODEL_KIND = {"mlp": "tabular", "cnn": "images", "transformer": "tokens"}
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -59,6 +60,9 @@ class TrainConfig:
     async_checkpoint: bool = False
     output_dir: str = ""
     log_every: int = 10
+    eval_every: int = 0
+    target_metric: str = ""
+    target_value: float = 0.0
     replica_check_every: int = 0
     collective_timeout_s: int = 300
     preempt_grace_s: int = 60
@@ -79,8 +83,17 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "hidden", "depth", "n_heads", "log_every", "collective_timeout_s",
                      "preempt_grace_s"):
             _positive_int(name, getattr(self, name))
-        for name in ("checkpoint_every", "replica_check_every", "warmup_steps"):
+        for name in ("checkpoint_every", "replica_check_every", "warmup_steps", "eval_every"):
             _non_negative_int(name, getattr(self, name))
+        if self.target_metric:
+            _one_of("target_metric", self.target_metric, TARGET_METRICS)
+            if not self.eval_every:
+                raise ConfigError("target_metric", f"{self.target_metric} is measured by evaluation during training, "
+                                  "which is off (eval_every=0)", "set eval_every to a number of steps, e.g. 50")
+            if not isinstance(self.target_value, (int, float)) or isinstance(self.target_value, bool) or (
+                    self.target_metric.endswith("accuracy") and not 0.0 < float(self.target_value) <= 1.0):
+                raise ConfigError("target_value", f"{self.target_value!r} is not a reachable {self.target_metric}",
+                                  "use an accuracy in (0, 1] or a loss value, e.g. 0.8")
         if not isinstance(self.lr, (int, float)) or not 0.0 < float(self.lr) < 10.0:
             raise ConfigError("lr", f"{self.lr!r} is not a learning rate in (0, 10)", "use e.g. 3e-3")
         if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
@@ -124,7 +137,9 @@ class TrainConfig:
 
     def config_hash(self) -> str:
         """Hash of what determines the trained weights (not where files go)."""
-        keep = {k: v for k, v in self.to_dict().items() if k not in ("checkpoint_dir", "output_dir")}
+        # Evaluation during training reads the weights but never changes them.
+        skip = ("checkpoint_dir", "output_dir", "eval_every", "target_metric", "target_value")
+        keep = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -151,6 +166,9 @@ FIELD_HELP = {
     "async_checkpoint": "save periodic checkpoints with dcp.async_save (training blocks only for the copy)",
     "output_dir": "folder for the run summary (train_summary.json)",
     "log_every": "log metrics and a progress line every N steps",
+    "eval_every": "score the validation split every N steps during training: eval/loss, eval/accuracy (0 = off)",
+    "target_metric": "eval/accuracy or eval/loss: log time_to_target_s and steps_to_target when first reached ('' = none)",
+    "target_value": "the value target_metric must reach (accuracy at least, loss at most)",
     "replica_check_every": "every N steps, compare a hash of the weights across ranks and fail on divergence (0 = off)",
     "collective_timeout_s": "timeout of one collective; a hung rank fails the run after this long",
     "preempt_grace_s": "after SIGTERM, seconds a rank may take to checkpoint and exit before it exits anyway",

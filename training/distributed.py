@@ -79,25 +79,75 @@ class CommTimer:
     the hook (the all-reduce is launched right then) and again in the future's completion
     callback. Buckets overlap in time, so summing them would overcount; we take the length of the
     union of the [launch, done] intervals of one step. It includes time the collective waited
-    for the slowest peer, which is communication cost as a user experiences it. What part of it
-    was hidden behind backward compute is a separate question (comm/exposed_fraction, later).
+    for the slowest peer, which is communication cost as a user experiences it.
+
+    What part of it the step waited for (``exposed``): DDP hands the last bucket to the hook when
+    autograd has produced the last gradient; from then on backward has no compute left and only
+    waits for the reducer's futures (``loss.backward()`` returns after they complete). So the time
+    from the last launch to the return of ``backward()`` is exactly the communication that was not
+    hidden behind compute. On CUDA the CPU clock says nothing about the GPU, so the same two
+    moments are CUDA events on the compute stream, resolved when the log window closes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self._lock = threading.Lock()
         self._intervals: list[tuple[float, float]] = []
         self.bytes = 0
+        self.collectives = 0
+        self.step_collectives = 0  # collectives of the step last popped
+        self.cuda = device is not None and device.type == "cuda"
+        self.last_launch: float | None = None
+        self.last_launch_event = None  # CUDA only
+        # Test-only fault injection: every collective completes d ms later (a slow network).
+        self.delay_s = float(os.environ.get("TRAINING_FAULT_COMM_DELAY_MS") or 0) / 1000
+
+    def launched(self) -> float:
+        """Called by the hook when DDP hands it a bucket; returns the launch time."""
+        now = time.perf_counter()
+        self.last_launch = now
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.last_launch_event = ev
+        return now
+
+    def backward_done(self):
+        """Call right after a communicating ``backward()`` returned. Returns the exposed time in
+        seconds (CPU) or a pair of CUDA events to resolve later with ``exposed_seconds``; None if
+        no collective was launched."""
+        if self.last_launch is None:
+            return None
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            pair, self.last_launch_event, self.last_launch = (self.last_launch_event, end), None, None
+            return pair
+        exposed, self.last_launch = max(0.0, time.perf_counter() - self.last_launch), None
+        return exposed
+
+    @staticmethod
+    def exposed_seconds(measured) -> float:
+        if measured is None:
+            return 0.0
+        if isinstance(measured, tuple):
+            start, end = measured
+            end.synchronize()
+            return max(0.0, start.elapsed_time(end) / 1000)
+        return measured
 
     def record(self, start: float, end: float, nbytes: int) -> None:
         with self._lock:
             self._intervals.append((start, end))
             self.bytes += nbytes
+            self.collectives += 1
 
     def pop_step(self) -> tuple[float, int]:
-        """Seconds of in-flight communication and bytes reduced since the last call."""
+        """Seconds of in-flight communication and bytes reduced since the last call (the number of
+        collectives is in ``pop_collectives``)."""
         with self._lock:
             intervals, self._intervals = sorted(self._intervals), []
             nbytes, self.bytes = self.bytes, 0
+            self.step_collectives, self.collectives = self.collectives, 0
         total, cur_start, cur_end = 0.0, None, None
         for s, e in intervals:
             if cur_end is None or s > cur_end:
@@ -116,12 +166,18 @@ def _timed(inner):
 
     # No annotations: DDP inspects them and `from __future__ import annotations` turns them into strings.
     def hook(timer, bucket):
-        start = time.perf_counter()
+        start = timer.launched()
         buf = bucket.buffer()
         # Bytes on the wire per rank: the compressing hooks send half-width copies.
         width = 2 if inner in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook) else buf.element_size()
         nbytes = buf.numel() * width
         fut = inner(None, bucket)  # None: the default process group; averages over ranks
+        if timer.delay_s:
+            def slow(f, d=timer.delay_s):
+                time.sleep(d)  # runs where the future completes (the backend's thread), not in backward
+                return f.value()
+
+            fut = fut.then(slow)
 
         def done(f):
             timer.record(start, time.perf_counter(), nbytes)
@@ -152,7 +208,7 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
     precision=bf16 parameters are all-gathered and computed in bf16, gradients reduced in fp32.
     """
     model = model.to(info.device)
-    timer = CommTimer()
+    timer = CommTimer(info.device)
     if cfg.strategy == "ddp":
         wrapped = DDP(
             model,

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training import checkpoint, distributed, precision
+from training import checkpoint, distributed, metrics, precision
 from training.config import ConfigError, TrainConfig
 from training.data import ShardedSampler, load_split
 from training.datasets import read_meta
-from training.models import build_model, loss_fn, model_spec, split_batch
+from training.models import build_model, flops_per_sample, loss_fn, model_spec, split_batch
 from training.tracking import logger_for
 
 EXIT_PREEMPTED = 75
@@ -51,6 +51,8 @@ EXIT_PREEMPTED = 75
 #   TRAINING_FAULT_INF_GRAD_AT_STEP=STEP   gradients of STEP are set to inf before the optimizer step
 #   TRAINING_FAULT_HANG_AT_STEP=STEP:RANK  that rank stops responding after STEP (a hung GPU, a
 #                                          deadlock): its peers' next collective times out
+#   TRAINING_FAULT_COMM_DELAY_MS=D         every DDP gradient collective completes D ms later
+#                                          (a slow network; see distributed.CommTimer)
 
 
 class Preempted(Exception):
@@ -165,7 +167,17 @@ class Trainer:
         self.features = torch.from_numpy(train.features)
         self.labels = torch.from_numpy(train.labels) if train.labels is not None else None
         self.logger = logger_for(info.is_main)
+        self.metrics_log = metrics.OnceLogger(self.logger)  # a replayed step is not logged twice
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.flops_per_sample = flops_per_sample(self.spec, self.n_params)
+        self.attempt = f"{time.time():.6f}-{os.getpid()}"  # tells this attempt's step records apart
+        self.step_times: list[float] = []
+        self.val = None
+        if cfg.eval_every:
+            val = load_split(cfg.dataset_uri, "validation")
+            self.val = (torch.from_numpy(val.features), torch.from_numpy(val.labels) if val.labels is not None else None)
         self.out = Path(cfg.output_dir) if cfg.output_dir else None
+        self.clock = metrics.RunClock(self.out) if info.is_main else None
         self.skipped_steps = 0
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         kill = _fault_env("TRAINING_FAULT_KILL_AT_STEP")
@@ -191,6 +203,8 @@ class Trainer:
             _seed_everything(cfg.seed + 1 + 1000 * self.state.step + info.rank)
         self._announce(resumed_from)
         fault = self._fault_accounting(resumed_from)
+        self.peak_flops = self._peak_flops()
+        system_metrics = metrics.start_system_metrics(self.logger.run_id) if info.is_main else None
 
         preemption = _Preemption(cfg.preempt_grace_s)
         window = self._new_window()
@@ -202,14 +216,17 @@ class Trainer:
                 if preemption.agreed(info.device):
                     self.ckpt.save(self.state, final=True)
                     raise Preempted(self.state.step)
+                t_step = time.perf_counter()
                 loss, grad_norm, skipped = self._train_step(window)
+                step_s = time.perf_counter() - t_step
+                self.step_times.append(step_s)
                 self.state.step += 1
-                self._record_step(loss, skipped)
+                self._record_step(loss, skipped, step_s)
                 if window["steps"] == 1 and first_loss is None:
                     self._log_state_bytes()
                 if fault is not None:
-                    self.logger.log_metrics({**fault, "fault/recovery_s": time.time() - fault.pop("_failed_at")},
-                                            step=self.state.step)
+                    failed_at = fault.pop("_failed_at")
+                    self.logger.log_metrics({**fault, "fault/recovery_s": time.time() - failed_at}, step=self.state.step)
                     fault = None
                 self._maybe_inject_kill()
 
@@ -218,9 +235,16 @@ class Trainer:
                     stats = self._reduce_window(window, grad_norm)
                     last_loss = stats["train/loss"]
                     first_loss = last_loss if first_loss is None else first_loss
-                    self.logger.log_metrics(stats, step=self.state.step)
+                    self.metrics_log.log_metrics(stats, step=self.state.step)
                     self._progress(stats)
-                    window = self._new_window()
+                    # Windows are contiguous: logging and printing count in the next one.
+                    window = self._new_window(t0=window["t_end"])
+
+                if cfg.eval_every and self.state.step % cfg.eval_every == 0:
+                    self.phase = "evaluation"
+                    t_eval = time.perf_counter()
+                    self._evaluate()
+                    window["eval_s"] += time.perf_counter() - t_eval  # not training time
 
                 if cfg.replica_check_every and self.state.step % cfg.replica_check_every == 0:
                     self.phase = "replica check"
@@ -234,7 +258,7 @@ class Trainer:
                     if info.is_main:
                         print(f"checkpoint step {self.state.step}: training blocked {blocked:.4f}s "
                               f"({'async' if cfg.async_checkpoint else 'sync'})", flush=True)
-                    self.logger.log_metrics({"ckpt/blocking_s": blocked}, step=self.state.step)
+                    self.metrics_log.log_metrics({"ckpt/blocking_s": blocked}, step=self.state.step)
                     saved_step = self.state.step
 
             self.phase = "final export"
@@ -250,6 +274,11 @@ class Trainer:
         except Exception as e:
             # Name the rank and what it was doing: a collective timeout otherwise says only "timed out".
             raise RuntimeError(f"rank {info.rank}/{info.world_size}: {self.phase} failed at step {self.state.step}: {e}") from e
+        finally:
+            if system_metrics is not None:
+                system_metrics.finish()
+
+        run_summary = self._run_summary()
 
         summary = {
             "final_step": self.state.step,
@@ -262,6 +291,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "train_wall_s": time.perf_counter() - wall_start,
             "config_hash": cfg.config_hash(),
+            **run_summary,
         }
         if info.is_main:
             self.logger.set_tags({"checkpoint.local_path": summary["checkpoint_path"]})
@@ -293,6 +323,10 @@ class Trainer:
                 with precision.autocast(cfg.precision, cfg.strategy, info.device):
                     loss = loss_fn(self.model(inputs), target) / cfg.grad_accum
                 self.scaler.scale(loss).backward()
+            if last:  # backward returned after the gradient collectives completed
+                exposed = self.comm_timer.backward_done()
+                if exposed is not None:
+                    window["exposed"].append(exposed)
             loss_sum += loss.detach()
 
         self.phase = "optimizer step"
@@ -314,6 +348,7 @@ class Trainer:
         comm_s, comm_bytes = self.comm_timer.pop_step()
         window["comm_s"] += comm_s
         window["comm_bytes"] = comm_bytes
+        window["collectives"] = self.comm_timer.step_collectives
         window["loss"] += loss_sum
         window["steps"] += 1
         return loss_sum, grad_norm, skipped
@@ -328,20 +363,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _new_window(self) -> dict[str, Any]:
-        return {"t0": time.perf_counter(), "steps": 0, "loss": torch.zeros((), device=self.info.device),
-                "comm_s": 0.0, "comm_bytes": 0, "data_s": 0.0, "ckpt_s": 0.0}
+    def _new_window(self, t0: float | None = None) -> dict[str, Any]:
+        return {"t0": time.perf_counter() if t0 is None else t0, "steps": 0, "loss": torch.zeros((), device=self.info.device),
+                "comm_s": 0.0, "comm_bytes": 0, "collectives": 0, "exposed": [], "data_s": 0.0, "ckpt_s": 0.0,
+                "eval_s": 0.0}
 
     def _reduce_window(self, window: dict[str, Any], grad_norm: torch.Tensor) -> dict[str, float]:
-        """Average loss and comm time over ranks; take the slowest rank's wall time."""
+        """Average loss and comm time over ranks; take the slowest rank's wall time (less the
+        time spent evaluating, which is not training)."""
         info, cfg = self.info, self.cfg
-        elapsed = time.perf_counter() - window["t0"]
+        window["t_end"] = time.perf_counter()
+        elapsed = window["t_end"] - window["t0"] - window["eval_s"]
         steps = window["steps"]
-        sums = torch.tensor([float(window["loss"]), window["comm_s"], window["data_s"]], dtype=torch.float64)
+        exposed = sum(self.comm_timer.exposed_seconds(e) for e in window["exposed"])
+        sums = torch.tensor([float(window["loss"]), window["comm_s"], window["data_s"], exposed], dtype=torch.float64)
         slowest = torch.tensor([elapsed], dtype=torch.float64)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        loss_sum, comm_sum, data_sum = (sums / info.world_size).tolist()
+        loss_sum, comm_sum, data_sum, exposed_sum = (sums / info.world_size).tolist()
         step_s = float(slowest) / steps
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         stats = {
@@ -354,9 +393,19 @@ class Trainer:
         }
         if self.kind == "tokens":
             stats["perf/tokens_per_s"] = cfg.batch_size * self.spec["seq_len"] / step_s
+        stats["perf/mfu"] = self.flops_per_sample * stats["perf/samples_per_s"] / (self.peak_flops * info.world_size)
         if cfg.strategy == "ddp":  # FSDP's all-gather / reduce-scatter are not timed by a DDP hook
-            stats["comm/s_per_step"] = comm_sum / steps
+            comm_s = comm_sum / steps
+            stats["comm/s_per_step"] = comm_s
             stats["comm/bytes_per_step"] = float(window["comm_bytes"])
+            stats["comm/collectives_per_step"] = float(window["collectives"])
+            stats["comm/exposed_s_per_step"] = exposed_sum / steps
+            stats["comm/exposed_fraction"] = min(1.0, exposed_sum / steps / step_s)
+            if info.world_size > 1 and comm_s > 0:
+                # Ring all-reduce bus bandwidth (as nccl-tests report it): each rank moves
+                # 2(n-1)/n of the buffer; GB/s = 1e9 bytes per second.
+                n = info.world_size
+                stats["comm/busbw_gbps"] = window["comm_bytes"] * 2 * (n - 1) / n / comm_s / 1e9
         if self.scaler.is_enabled():
             stats["train/loss_scale"] = self.scaler.get_scale()
             stats["train/skipped_steps"] = float(self.skipped_steps)
@@ -366,7 +415,8 @@ class Trainer:
         if not self.info.is_main:
             return
         eta = (self.cfg.steps - self.state.step) * stats["perf/step_s"]
-        comm = f" | comm {1000 * stats['comm/s_per_step']:.2f} ms/step" if "comm/s_per_step" in stats else ""
+        comm = (f" | comm {1000 * stats['comm/s_per_step']:.2f} ms/step, {100 * stats['comm/exposed_fraction']:.1f}% exposed"
+                if "comm/s_per_step" in stats else "")
         scale = f" | scale {stats['train/loss_scale']:.0f} skipped {self.skipped_steps}" if "train/loss_scale" in stats else ""
         print(f"step {self.state.step}/{self.cfg.steps} | loss {stats['train/loss']:.4f} | "
               f"{stats['perf/samples_per_s']:.0f} samples/s{comm}{scale} | eta {eta:.0f}s", flush=True)
@@ -390,6 +440,72 @@ class Trainer:
             print(f"memory: {nbytes} bytes of parameters + optimizer state per rank ({self.cfg.strategy})", flush=True)
             self.logger.log_metrics({"mem/state_bytes_per_rank": float(nbytes)}, step=self.state.step)
 
+    def _peak_flops(self) -> float:
+        """Rank 0: the per-rank peak FLOP/s MFU divides by, logged as params (which peak, from where)."""
+        if not self.info.is_main:
+            return float("nan")  # only rank 0 logs MFU
+        cache = Path(self.cfg.output_dir or self.cfg.checkpoint_dir) / "peak_flops.json"
+        peak, source = metrics.peak_flops(self.info.device, self.cfg.precision, cache)
+        print(f"mfu: peak {peak / 1e12:.3f} TFLOP/s per rank ({source}); {self.flops_per_sample:.3g} FLOPs per sample",
+              flush=True)
+        self.logger.log_params({"perf/peak_flops": peak, "perf/peak_source": source,
+                                "perf/flops_per_sample": self.flops_per_sample})
+        return peak
+
+    def _evaluate(self) -> None:
+        """Score the validation split on all ranks (sharded), log eval/*, and the first time the
+        target is reached, time_to_target_s / steps_to_target (wall time since the run's first
+        attempt started training, as MLPerf counts time-to-train: evaluation included)."""
+        cfg, info, step = self.cfg, self.info, self.state.step
+        feats, labels = self.val
+        model = self.model.module if cfg.strategy == "ddp" else self.model  # DDP: no collectives in eval
+        res = metrics.evaluate_sharded(model, self.kind, feats, labels, device=info.device, rank=info.rank,
+                                       world_size=info.world_size, batch=max(256, cfg.batch_size),
+                                       autocast=lambda: precision.autocast(cfg.precision, cfg.strategy, info.device))
+        if not info.is_main:
+            return
+        self.metrics_log.log_metrics(res, step=step)
+        print(f"eval step {step}: loss {res['eval/loss']:.4f} | accuracy {res['eval/accuracy']:.4f}", flush=True)
+        if cfg.target_metric and self.clock.target() is None and metrics.target_reached(
+                cfg.target_metric, res[cfg.target_metric], cfg.target_value):
+            hit = self.clock.reach_target(step, time.time())
+            self.metrics_log.log_metrics(hit, step=step)
+            print(f"target {cfg.target_metric} {cfg.target_value} reached at step {step} after "
+                  f"{hit['time_to_target_s']:.1f}s", flush=True)
+
+    def _run_summary(self) -> dict[str, float]:
+        """Goodput, wall time, samples, device-hours and peak memory per rank (metrics.lineage_summary)."""
+        info = self.info
+        mine = torch.tensor([metrics.peak_memory_bytes(info.device)], dtype=torch.int64, device=info.device)
+        peaks = [torch.zeros_like(mine) for _ in range(info.world_size)]
+        dist.all_gather(peaks, mine)
+        if not info.is_main:
+            return {}
+        records = []
+        steps_file = self.out / "steps.jsonl" if self.out else None
+        if steps_file is not None and steps_file.exists():
+            records = [json.loads(line) for line in steps_file.read_text().splitlines() if line.strip()]
+        else:  # no output_dir: this attempt only
+            records = [{"step": i, "step_s": s, "t": 0.0, "attempt": self.attempt} for i, s in enumerate(self.step_times)]
+        life = metrics.lineage_summary(records, start=self.clock.start, end=time.time())
+        hours = info.world_size / 3600
+        summary = {
+            "goodput": life["goodput"],
+            "summary/wall_s": life["wall_s"],
+            "summary/productive_s": life["productive_s"],
+            "summary/lost_to_restarts_s": life["lost_to_restarts_s"],
+            "summary/total_samples": float(self.state.step * self.cfg.batch_size),
+            "summary/device_hours": life["wall_s"] * hours,
+            "summary/device_hours_lost_to_restarts": life["lost_to_restarts_s"] * hours,
+            "mem/peak_bytes_max": float(max(int(p) for p in peaks)),
+            **{f"mem/peak_bytes_rank_{r}": float(p) for r, p in enumerate(peaks)},
+        }
+        self.logger.log_metrics_once(summary, step=self.state.step)
+        print(f"summary: goodput {summary['goodput']:.3f} | wall {life['wall_s']:.1f}s | "
+              f"lost to restarts {life['lost_to_restarts_s']:.1f}s | {summary['summary/device_hours']:.4f} device-hours | "
+              f"peak memory {max(int(p) for p in peaks) / 2**20:.0f} MiB/rank", flush=True)
+        return summary
+
     def _fault_accounting(self, resumed_from: Path | None) -> dict[str, float] | None:
         """After a restart: how many completed steps were lost and when the failure happened, from
         the heartbeat rank 0 writes after every step. recovery_s is measured from that heartbeat
@@ -406,14 +522,16 @@ class Trainer:
         return {"fault/restarts": float(self.restarts), "fault/steps_lost": float(beat["step"] - self.state.step),
                 "_failed_at": beat["time"]}
 
-    def _record_step(self, loss: torch.Tensor, skipped: bool) -> None:
-        """Rank 0: heartbeat and the exact per-step loss (float.hex) for reproducibility checks."""
+    def _record_step(self, loss: torch.Tensor, skipped: bool, step_s: float) -> None:
+        """Rank 0: heartbeat and the exact per-step loss (float.hex) for reproducibility checks;
+        the step's time, end time and attempt feed goodput (metrics.lineage_summary)."""
         if not (self.info.is_main and self.out):
             return
         self.out.mkdir(parents=True, exist_ok=True)
         with open(self.out / "steps.jsonl", "a") as f:
             f.write(json.dumps({"step": self.state.step, "loss": float(loss).hex(), "skipped": skipped,
-                                "restart": self.restarts}) + "\n")
+                                "restart": self.restarts, "step_s": step_s, "t": time.time(),
+                                "attempt": self.attempt}) + "\n")
         tmp = self.out / "heartbeat.json.tmp"
         tmp.write_text(json.dumps({"step": self.state.step, "time": time.time()}))
         os.replace(tmp, self.out / "heartbeat.json")

@@ -1,0 +1,241 @@
+"""Figures the trainer logs beside loss: peak FLOP/s for MFU, evaluation during training,
+time-to-target, goodput and the run summary, MLflow system metrics, and logging each step once.
+
+Every method is described in docs/architecture.md ("Metrics"); the tests in
+tests/training/test_metrics.py check the figures against ground truths measured outside the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Dense (no sparsity) peak TFLOP/s per GPU from the vendors' datasheets:
+# (bf16/fp16 tensor cores, tf32 tensor cores, plain fp32). None: the GPU has no such unit.
+GPU_PEAK_TFLOPS: dict[str, tuple[float | None, float | None, float]] = {
+    "H200": (989.0, 494.0, 67.0),
+    "H100": (989.0, 494.0, 67.0),  # SXM; the PCIe card is lower and matches "H100 PCIe" below
+    "H100 PCIE": (756.0, 378.0, 51.0),
+    "A100": (312.0, 156.0, 19.5),
+    "L4": (121.0, 60.0, 30.3),
+    "A10G": (125.0, 62.5, 31.2),
+    "A10": (125.0, 62.5, 31.2),
+    "V100": (125.0, None, 15.7),  # fp16 tensor cores; no bf16, no tf32
+    "T4": (65.0, None, 8.1),  # fp16 tensor cores
+}
+
+
+def _table_peak(name: str, precision: str) -> float | None:
+    upper = name.upper()
+    # Longest key first, so "H100 PCIE" wins over "H100" and "A10G" over "A10".
+    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
+        if key in upper:
+            half, tf32, fp32 = GPU_PEAK_TFLOPS[key]
+            if precision in ("bf16", "fp16"):
+                return half * 1e12 if half else None
+            if torch.backends.cuda.matmul.allow_tf32 and tf32:
+                return tf32 * 1e12
+            return fp32 * 1e12
+    return None
+
+
+def measure_matmul_flops(device: torch.device, precision: str, n: int = 512, repeats: int = 5) -> float:
+    """FLOP/s of a square matmul in the run's compute dtype, best of ``repeats`` (a practical
+    peak for this process's threads; there is no datasheet figure for an arbitrary CPU)."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16 if (precision == "fp16" and device.type == "cuda") else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)  # leaves the training RNG streams untouched
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    a @ b  # warm-up (allocations, kernel selection)
+    best = math.inf
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - t0) / 4)
+    return 2.0 * n**3 / best
+
+
+def peak_flops(device: torch.device, precision: str, cache: Path | None) -> tuple[float, str]:
+    """Peak FLOP/s of one rank's device and where the number comes from. Cached in ``cache`` so a
+    restarted or retried run reuses the same peak (MLflow params cannot change value)."""
+    if cache is not None and cache.exists():
+        saved = json.loads(cache.read_text())
+        return float(saved["peak_flops"]), saved["peak_source"]
+    peak, source = None, ""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = _table_peak(name, precision)
+        source = f"table: {name} {precision}" if peak else ""
+    if peak is None:
+        # The matmul runs with this process's torch threads (OMP_NUM_THREADS under torchrun)
+        # while the other ranks also run: what one rank can get, not the whole machine.
+        peak = measure_matmul_flops(device, precision)
+        source = f"measured: {device.type} matmul 512x512 {precision}, {torch.get_num_threads()} threads"
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"peak_flops": peak, "peak_source": source}))
+        os.replace(tmp, cache)
+    return peak, source
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: CUDA ``max_memory_allocated`` (tensors), on CPU the process's
+    maximum resident set size (everything: interpreter, torch, data)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class OnceLogger:
+    """Logs a metric at a step only if the run has no value of it at that step yet.
+
+    A restarted group (torchrun --max-restarts) or a retried task replays the steps after the
+    latest checkpoint; they would otherwise appear twice in the run. The steps already in the run
+    are read once per metric key (one query per key, not per log call, so logging stays cheap),
+    then tracked here. ``RunLogger.log_metrics_once`` does the same per call, for rare metrics.
+    """
+
+    def __init__(self, logger) -> None:
+        self.logger = logger
+        self._seen: dict[str, set[int]] = {}
+
+    def _steps(self, key: str) -> set[int]:
+        if key not in self._seen:
+            client = getattr(self.logger, "client", None)
+            self._seen[key] = ({m.step for m in client.get_metric_history(self.logger.run_id, key)}
+                               if client is not None else set())
+        return self._seen[key]
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> dict[str, float]:
+        new = {k: v for k, v in metrics.items() if step not in self._steps(k)}
+        if new:
+            self.logger.log_metrics(new, step=step)
+            for k in new:
+                self._seen[k].add(step)
+        return new
+
+
+class RunClock:
+    """Facts that must survive restarts and retries of the same run, in ``<dir>/run_clock.json``
+    (rank 0 only): when the run's first attempt started training, and when the target was hit."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.path = folder / "run_clock.json" if folder else None
+        self.data: dict[str, Any] = {}
+        if self.path is not None and self.path.exists():
+            self.data = json.loads(self.path.read_text())
+        self.data.setdefault("start", time.time())
+        self._save()
+
+    @property
+    def start(self) -> float:
+        return float(self.data["start"])
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data))
+        os.replace(tmp, self.path)
+
+    def target(self) -> dict[str, float] | None:
+        return self.data.get("target")
+
+    def reach_target(self, step: int, now: float) -> dict[str, float]:
+        self.data["target"] = {"steps_to_target": float(step), "time_to_target_s": now - self.start}
+        self._save()
+        return self.data["target"]
+
+
+def target_reached(metric: str, value: float, target: float) -> bool:
+    """Accuracy must reach the target from below, a loss from above."""
+    return value >= target if metric.endswith("accuracy") else value <= target
+
+
+@torch.no_grad()
+def evaluate_sharded(model: torch.nn.Module, kind: str, features: torch.Tensor, labels: torch.Tensor | None,
+                     *, device: torch.device, rank: int, world_size: int, batch: int, autocast) -> dict[str, float]:
+    """Mean cross-entropy and accuracy over the validation split, each rank scoring a contiguous
+    1/world of the rows; sums are all-reduced so every rank gets the same figures. Every rank runs
+    the same number of forward calls (FSDP all-gathers parameters in each one)."""
+    from training.models import loss_fn, split_batch
+
+    n = len(features)
+    bounds = [n * r // world_size for r in range(world_size + 1)]
+    lo, hi = bounds[rank], bounds[rank + 1]
+    n_batches = math.ceil(max(bounds[r + 1] - bounds[r] for r in range(world_size)) / batch)
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss * count, correct, count
+    try:
+        for b in range(n_batches):
+            s, e = min(hi, lo + b * batch), min(hi, lo + (b + 1) * batch)
+            x = features[s:e].to(device)
+            y = labels[s:e].to(device) if labels is not None else None
+            inputs, target = split_batch(kind, x, y)
+            with autocast():
+                logits = model(inputs)
+            if target.numel() == 0:
+                continue
+            sums[0] += float(loss_fn(logits, target)) * target.numel()
+            sums[1] += float((logits.argmax(dim=-1) == target).sum())
+            sums[2] += target.numel()
+    finally:
+        model.train(was_training)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    loss_sum, correct, count = sums.tolist()
+    return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+
+
+def lineage_summary(records: list[dict[str, Any]], *, start: float, end: float) -> dict[str, float]:
+    """Goodput and restart losses from the per-step records of every attempt (``steps.jsonl``).
+
+    The lineage is the last record of each step (the one the final model descends from). Between
+    two consecutive lineage steps written by different attempts lies a restart: the gap from the
+    end of the earlier step to the end of the later one, minus the later step's own time, was lost
+    (steps done again, the dead time, the restart, the checkpoint load)."""
+    last: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        if "step_s" in rec:
+            last[rec["step"]] = rec
+    steps = sorted(last)
+    productive = sum(last[s]["step_s"] for s in steps)
+    lost = 0.0
+    for prev, cur in zip(steps, steps[1:]):
+        a, b = last[prev], last[cur]
+        if a.get("attempt") != b.get("attempt"):
+            lost += max(0.0, b["t"] - a["t"] - b["step_s"])
+    wall = max(end - start, 1e-9)
+    return {"productive_s": productive, "lost_to_restarts_s": lost, "wall_s": wall, "goodput": productive / wall}
+
+
+def start_system_metrics(run_id: str | None):
+    """MLflow's own system-metrics sampler (CPU, memory, disk, network, GPU where present)
+    attached to the existing run; ``resume_logging`` continues its step count after a restart.
+    Returns the monitor (call ``finish()``) or None."""
+    if not run_id:
+        return None
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, resume_logging=True)
+        monitor.start()
+        return monitor
+    except Exception as e:  # metrics about the machine must never stop training
+        print(f"system metrics: not logged ({e})", flush=True)
+        return None
