@@ -104,8 +104,9 @@ def run_torchrun(nproc: int, sets: list[str], *, env: dict[str, str] | None = No
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", str(max_restarts),
            "-m", "training", "train", *[a for s in sets for a in ("--set", s)]]
-    full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **(env or {})}
-    full_env.pop("MLFLOW_RUN_ID", None)
+    # A run id only when the test passes one (the ranks then log to that MLflow run).
+    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
+    full_env = {**base, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **(env or {})}
     if popen:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)

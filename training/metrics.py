@@ -19,31 +19,33 @@ import torch
 import torch.distributed as dist
 
 # Dense (no sparsity) peak TFLOP/s per GPU from the vendors' datasheets:
-# (bf16/fp16 tensor cores, tf32 tensor cores, plain fp32). None: the GPU has no such unit.
-GPU_PEAK_TFLOPS: dict[str, tuple[float | None, float | None, float]] = {
-    "H200": (989.0, 494.0, 67.0),
-    "H100": (989.0, 494.0, 67.0),  # SXM; the PCIe card is lower and matches "H100 PCIe" below
-    "H100 PCIE": (756.0, 378.0, 51.0),
-    "A100": (312.0, 156.0, 19.5),
-    "L4": (121.0, 60.0, 30.3),
-    "A10G": (125.0, 62.5, 31.2),
-    "A10": (125.0, 62.5, 31.2),
-    "V100": (125.0, None, 15.7),  # fp16 tensor cores; no bf16, no tf32
-    "T4": (65.0, None, 8.1),  # fp16 tensor cores
+# (bf16 tensor cores, fp16 tensor cores, tf32 tensor cores, plain fp32). None: no such unit.
+GPU_PEAK_TFLOPS: dict[str, tuple[float | None, float | None, float | None, float]] = {
+    "H200": (989.0, 989.0, 494.0, 67.0),
+    "H100": (989.0, 989.0, 494.0, 67.0),  # SXM; the PCIe card is lower and matches "H100 PCIE"
+    "H100 PCIE": (756.0, 756.0, 378.0, 51.0),
+    "A100": (312.0, 312.0, 156.0, 19.5),
+    "L4": (121.0, 121.0, 60.0, 30.3),
+    "A10G": (125.0, 125.0, 62.5, 31.2),
+    "A10": (125.0, 125.0, 62.5, 31.2),
+    "V100": (None, 125.0, None, 15.7),
+    "T4": (None, 65.0, None, 8.1),
 }
 
 
 def _table_peak(name: str, precision: str) -> float | None:
+    """The datasheet peak for ``precision`` on the GPU called ``name``; None when the table has
+    no figure (then the peak is measured)."""
     upper = name.upper()
     # Longest key first, so "H100 PCIE" wins over "H100" and "A10G" over "A10".
     for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
         if key in upper:
-            half, tf32, fp32 = GPU_PEAK_TFLOPS[key]
+            bf16, fp16, tf32, fp32 = GPU_PEAK_TFLOPS[key]
             if precision in ("bf16", "fp16"):
-                return half * 1e12 if half else None
-            if torch.backends.cuda.matmul.allow_tf32 and tf32:
-                return tf32 * 1e12
-            return fp32 * 1e12
+                peak = bf16 if precision == "bf16" else fp16
+            else:
+                peak = tf32 if (torch.backends.cuda.matmul.allow_tf32 and tf32) else fp32
+            return peak * 1e12 if peak else None
     return None
 
 

@@ -1,0 +1,219 @@
+"""Every figure the trainer logs, checked against a ground truth measured outside the trainer.
+
+Real torchrun ranks over gloo on loopback and a real MLflow store (the session's SQLite file):
+- injected delay: each gradient all-reduce completes d ms later (TRAINING_FAULT_COMM_DELAY_MS, a
+  test-only fault); comm/s_per_step rises by d x collectives per step, and exposed time rises;
+- bytes: comm/bytes_per_step is the gradient bytes of the saved model exactly, half with fp16;
+- throughput: reported samples/s against samples / wall time between progress lines, timed here;
+- MFU: the logged value is FLOPs per sample (6 x parameters of the saved MLP) x samples/s / peak;
+- evaluation: eval/accuracy at the last step equals an independent scoring of the final model;
+- no double counting: a rank killed (group restart) and a failed launch run again (task retry)
+  replay steps, yet every metric has exactly one value per step.
+Tolerances are loose (a shared 2-core machine) and no absolute speed is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from tests.conftest import run_torchrun
+from training.config import ConfigError, TrainConfig
+from training.metrics import _table_peak, lineage_summary
+
+PROGRESS = re.compile(r"^step (\d+)/\d+ \| loss [0-9.]+ \| (\d+) samples/s")
+BATCH = 64
+
+
+def _sets(dataset, root: Path, **extra) -> list[str]:
+    base = {"dataset_uri": dataset, "checkpoint_dir": root / "ck", "output_dir": root / "out", "steps": 60,
+            "batch_size": BATCH, "log_every": 10, "checkpoint_every": 0, "warmup_steps": 5, **extra}
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _new_run(name: str) -> str:
+    client = MlflowClient()
+    exp = client.get_experiment_by_name("test-metrics") or client.get_experiment(client.create_experiment("test-metrics"))
+    return client.create_run(exp.experiment_id, run_name=name).info.run_id
+
+
+def _timed_run(dataset, root: Path, *, env: dict[str, str] | None = None, **extra) -> dict:
+    """One torchrun launch; every stdout line with the time this process read it."""
+    run_id = _new_run(root.name)
+    proc = run_torchrun(2, _sets(dataset, root, **extra), env={"MLFLOW_RUN_ID": run_id, **(env or {})}, popen=True)
+    lines = []
+    deadline = time.monotonic() + 400
+    for line in proc.stdout:
+        lines.append((time.monotonic(), line.rstrip("\n")))
+        assert time.monotonic() < deadline, "training took too long"
+    proc.wait(timeout=60)
+    out = "\n".join(text for _, text in lines)
+    assert proc.returncode == 0, out[-4000:]
+    return {"run_id": run_id, "lines": lines, "stdout": out, "root": root}
+
+
+def _history(run_id: str, key: str) -> list:
+    return sorted(MlflowClient().get_metric_history(run_id, key), key=lambda m: m.step)
+
+
+def _median_after_first(run_id: str, key: str) -> float:
+    values = [m.value for m in _history(run_id, key)][1:]  # the first interval is warm-up
+    assert values, key
+    return statistics.median(values)
+
+
+def _grad_numel(root: Path, steps: int = 60) -> int:
+    weights = load_file(str(root / "ck" / f"step_{steps:08d}" / "model.safetensors"))
+    return sum(t.numel() for t in weights.values())
+
+
+@pytest.fixture(scope="module")
+def runs(dataset, tmp_path_factory):
+    """The same 2-rank DDP MLP run three ways: plain, every all-reduce delayed, fp16 compression."""
+    delay_ms = 40
+    return {
+        "base": _timed_run(dataset, tmp_path_factory.mktemp("base")),
+        "delay": _timed_run(dataset, tmp_path_factory.mktemp("delay"), env={"TRAINING_FAULT_COMM_DELAY_MS": str(delay_ms)}),
+        "fp16": _timed_run(dataset, tmp_path_factory.mktemp("fp16"), comm_hook="fp16"),
+        "delay_s": delay_ms / 1000,
+    }
+
+
+@pytest.mark.slow
+def test_injected_delay_shows_up_in_comm_time_and_exposed_time(runs):
+    base, slow, d = runs["base"]["run_id"], runs["delay"]["run_id"], runs["delay_s"]
+    collectives = _median_after_first(slow, "comm/collectives_per_step")
+    assert collectives == _median_after_first(base, "comm/collectives_per_step") >= 1
+    rise = _median_after_first(slow, "comm/s_per_step") - _median_after_first(base, "comm/s_per_step")
+    assert rise == pytest.approx(d * collectives, rel=0.15), (rise, d, collectives)
+    # The delay hits the last bucket too, which no compute can hide: at least d of it is exposed.
+    exposed_rise = _median_after_first(slow, "comm/exposed_s_per_step") - _median_after_first(base, "comm/exposed_s_per_step")
+    assert 0.85 * d <= exposed_rise <= 1.15 * d * collectives, exposed_rise
+    assert _median_after_first(slow, "comm/exposed_fraction") > _median_after_first(base, "comm/exposed_fraction") + 0.1
+    assert "% exposed" in runs["delay"]["stdout"]
+
+
+@pytest.mark.slow
+def test_bytes_per_step_are_the_gradient_bytes_exactly(runs):
+    numel = _grad_numel(runs["base"]["root"])
+    assert {m.value for m in _history(runs["base"]["run_id"], "comm/bytes_per_step")} == {4.0 * numel}
+    assert {m.value for m in _history(runs["fp16"]["run_id"], "comm/bytes_per_step")} == {2.0 * numel}
+    # Bus bandwidth follows from the same bytes and time: 2(n-1)/n x bytes / time with n = 2.
+    for bw, comm in zip(_history(runs["base"]["run_id"], "comm/busbw_gbps"), _history(runs["base"]["run_id"], "comm/s_per_step")):
+        assert bw.value == pytest.approx(4.0 * numel / comm.value / 1e9, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_reported_throughput_matches_wall_clock_between_progress_lines(runs):
+    for name in ("base", "delay"):
+        progress = [(t, int(m[1]), int(m[2])) for t, line in runs[name]["lines"] if (m := PROGRESS.match(line))]
+        assert [p[1] for p in progress] == [10, 20, 30, 40, 50, 60]
+        # A line is printed after its window closed and the metrics were logged. From the second
+        # line on, that delay is the same at both ends (the first log also reads the run's history).
+        progress = progress[1:]
+        (t0, s0, _), (t1, s1, _) = progress[0], progress[-1]
+        outside = (s1 - s0) * BATCH / (t1 - t0)
+        # The trainer's windows are contiguous: total samples over the sum of window times.
+        window_s = sum((b[1] - a[1]) * BATCH / b[2] for a, b in zip(progress, progress[1:]))
+        reported = (s1 - s0) * BATCH / window_s
+        assert reported == pytest.approx(outside, rel=0.05), (reported, outside)
+
+
+@pytest.mark.slow
+def test_mfu_is_model_flops_over_the_logged_peak(runs):
+    run = MlflowClient().get_run(runs["base"]["run_id"])
+    peak, per_sample = float(run.data.params["perf/peak_flops"]), float(run.data.params["perf/flops_per_sample"])
+    assert run.data.params["perf/peak_source"].startswith("measured: cpu matmul")
+    assert per_sample == 6.0 * _grad_numel(runs["base"]["root"])
+    for mfu, thr in zip(_history(run.info.run_id, "perf/mfu"), _history(run.info.run_id, "perf/samples_per_s")):
+        assert mfu.value == pytest.approx(per_sample * thr.value / (2 * peak), rel=1e-9)
+        assert 0 < mfu.value < 1
+
+
+@pytest.mark.slow
+def test_each_step_logged_once_across_a_group_restart_and_a_task_retry(dataset, tmp_path):
+    """Launch 1 dies at step 15 (a rank SIGKILLed, no restarts left): the task fails. The retry
+    resumes from step 10; in it a rank dies at step 25 and torchrun restarts the group from 20."""
+    run_id = _new_run("retried")
+    sets = _sets(dataset, tmp_path, steps=40, log_every=5, checkpoint_every=10, eval_every=10,
+                 target_metric="eval/accuracy", target_value=0.3)
+    env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
+    first = run_torchrun(2, sets, env={**env, "TRAINING_FAULT_KILL_AT_STEP": "15:1"})
+    assert first.returncode != 0 and "SIGKILLs itself after step 15" in first.stdout
+    retry = run_torchrun(2, sets, env={**env, "TRAINING_FAULT_KILL_AT_STEP": "25:1"}, max_restarts=1)
+    assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
+    assert "(step 10)" in retry.stdout and "(step 20)" in retry.stdout
+
+    every5, every10 = list(range(5, 41, 5)), list(range(10, 41, 10))
+    for key in ("train/loss", "perf/samples_per_s", "comm/s_per_step", "comm/exposed_fraction", "perf/mfu"):
+        assert [m.step for m in _history(run_id, key)] == every5, key
+    for key in ("eval/loss", "eval/accuracy", "ckpt/blocking_s"):
+        assert [m.step for m in _history(run_id, key)] == (every10 if key.startswith("eval") else [10, 20, 30]), key
+    assert [(m.step, m.value) for m in _history(run_id, "steps_to_target")] == [(10, 10.0)]
+    assert len(_history(run_id, "time_to_target_s")) == 1
+
+    # Evaluation in the trainer agrees with an independent scoring of the final weights.
+    from training.checkpoint import load_exported
+    from training.data import load_split
+    from training.evaluate import score
+
+    model, _ = load_exported(tmp_path / "ck" / "step_00000040")
+    val = load_split(dataset, "validation")
+    ref = score(model, "tabular", torch.from_numpy(val.features), torch.from_numpy(val.labels))
+    assert _history(run_id, "eval/accuracy")[-1].value == pytest.approx(ref["eval/accuracy"], abs=1e-9)
+    assert _history(run_id, "eval/loss")[-1].value == pytest.approx(ref["eval/loss"], rel=1e-4)
+
+    # Run summary: two restarts lost time; device-hours are ranks x wall.
+    s = dict(MlflowClient().get_run(run_id).data.metrics)
+    assert [m.step for m in _history(run_id, "goodput")] == [40]
+    assert 0 < s["goodput"] < 1
+    assert s["summary/lost_to_restarts_s"] > 0
+    assert s["summary/total_samples"] == 40 * BATCH
+    assert s["summary/device_hours"] == pytest.approx(2 * s["summary/wall_s"] / 3600)
+    assert s["summary/device_hours_lost_to_restarts"] == pytest.approx(2 * s["summary/lost_to_restarts_s"] / 3600)
+    assert s["summary/productive_s"] + s["summary/lost_to_restarts_s"] <= s["summary/wall_s"]
+    assert s["mem/peak_bytes_rank_0"] > 50 * 2**20 and s["mem/peak_bytes_rank_1"] > 50 * 2**20  # torch alone
+    # MLflow system metrics went into the same run (no second run was created).
+    assert any(k.startswith("system/cpu_utilization") for k in s), sorted(s)
+    exp = MlflowClient().get_run(run_id).info.experiment_id
+    assert not [r for r in MlflowClient().search_runs([exp]) if r.info.run_name == "retried" and r.info.run_id != run_id]
+
+
+def test_lineage_summary_counts_replayed_steps_and_downtime_as_lost():
+    # Attempt A: steps 1..3 (1 s each) ending at t=1,2,3; it dies; attempt B resumes from step 2,
+    # starts at t=10 and redoes step 3 (ends t=11) and step 4 (t=12).
+    a = [{"step": i, "step_s": 1.0, "t": float(i), "attempt": "A"} for i in (1, 2, 3)]
+    b = [{"step": 3, "step_s": 1.0, "t": 11.0, "attempt": "B"}, {"step": 4, "step_s": 1.0, "t": 12.0, "attempt": "B"}]
+    got = lineage_summary(a + b, start=0.0, end=12.0)
+    assert got["productive_s"] == 4.0  # steps 1, 2 (A) and 3, 4 (B)
+    assert got["lost_to_restarts_s"] == 8.0  # from the end of step 2 (t=2) to the start of the redone step 3 (t=10)
+    assert got["goodput"] == pytest.approx(4.0 / 12.0)
+
+
+def test_peak_table_picks_the_gpu_and_precision():
+    assert _table_peak("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert _table_peak("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert _table_peak("NVIDIA A10G", "fp16") == 125e12
+    assert _table_peak("Tesla V100-SXM2-16GB", "fp16") == 125e12
+    assert _table_peak("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 unit: measured instead
+    assert _table_peak("Some Future GPU", "bf16") is None
+
+
+def test_target_needs_evaluation_and_a_known_metric():
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(dataset_uri="d", target_metric="eval/accuracy", target_value=0.9)
+    assert e.value.field == "target_metric" and "eval_every" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(dataset_uri="d", eval_every=10, target_metric="train/loss", target_value=0.5)
+    assert e.value.field == "target_metric"
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(dataset_uri="d", eval_every=10, target_metric="eval/accuracy", target_value=80)
+    assert e.value.field == "target_value"
