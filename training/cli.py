@@ -66,6 +66,12 @@ def _cmd_evaluate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(a: argparse.Namespace) -> int:
+    from training.bench import main
+
+    return main(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m training", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,6 +116,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run-id", required=True, help="MLflow run id")
     s.add_argument("--dataset-uri", required=True, help="dataset folder (its validation split is scored)")
     s.set_defaults(fn=_cmd_evaluate)
+
+    s = sub.add_parser("bench", help="benchmark sweep: one child MLflow run per grid point, then the comparison report",
+                       description="Runs world size x strategy x precision x comm_hook with torchrun on this machine. "
+                                   "Each point is a child run (tag mlflow.parentRunId) of one parent run, which gets "
+                                   "the comparison report (report.md/html, plots) as artifacts under comparison/.")
+    s.add_argument("--dataset-uri", required=True, help="dataset folder (its kind must match --model)")
+    s.add_argument("--experiment", default="training_benchmark", help="MLflow experiment (default training_benchmark)")
+    s.add_argument("--model", default="mlp", choices=["mlp", "cnn", "transformer"], help="model family")
+    s.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="world sizes (ranks on this machine)")
+    s.add_argument("--strategies", nargs="+", default=["ddp"], choices=["ddp", "fsdp"])
+    s.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp16"])
+    s.add_argument("--comm-hooks", nargs="+", default=["none"], choices=["none", "fp16", "bf16"])
+    s.add_argument("--steps", type=int, default=100, help="optimizer steps per point")
+    s.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    s.add_argument("--log-every", type=int, default=10, help="log interval (steps)")
+    s.add_argument("--eval-every", type=int, default=0, help="evaluation interval (0 = off)")
+    s.add_argument("--target-metric", default="", help="eval/accuracy or eval/loss (needs --eval-every)")
+    s.add_argument("--target-value", type=float, default=0.0, help="value the target metric must reach")
+    s.add_argument("--parent-run-id", help="log children under this existing run (default: a new parent run)")
+    s.add_argument("--run-name", help="name of a new parent run")
+    s.add_argument("--out", help="folder for per-point logs and the report (default: a temporary folder)")
+    s.set_defaults(fn=_cmd_bench)
     return p
 
 
