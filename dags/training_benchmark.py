@@ -1,0 +1,63 @@
+"""
+# Training benchmark
+
+A sweep over **world size x strategy x precision x gradient compression** on one model and
+dataset, the same as `python -m training bench`. One MLflow **parent run** per DAG run; every
+grid point trains with `torchrun` into its own **child run** (nested under the parent in the
+MLflow UI), and the parent gets the **comparison report** (table in Markdown and HTML, plots of
+throughput and scaling efficiency, compute vs exposed communication per step, loss curves,
+time to target) as artifacts under `comparison/`.
+
+1. **open_parent** - checks the grid (points the trainer would refuse are skipped, with the
+   reason in the log) and opens the parent run (a retry finds the same one).
+2. **sweep** - trains every point; a retry skips the points already finished.
+3. **report** - writes the comparison report, logs it to the parent run and closes it.
+
+Choose the grid in the trigger form. The same figures for any runs:
+`python -m training compare --experiment NAME --runs ...`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from airflow.sdk import dag, task
+
+from training_airflow.bench_tasks import bench_params
+
+
+@dag(
+    dag_id="training_benchmark",
+    schedule=None,
+    start_date=datetime(2024, 1, 1),
+    catchup=False,
+    params=bench_params(),
+    tags=["training", "benchmark"],
+    doc_md=__doc__,
+    default_args={"owner": "ml-platform", "retries": 1, "retry_delay": timedelta(seconds=15),
+                  "execution_timeout": timedelta(hours=6)},
+    max_active_runs=1,  # points of two sweeps on one machine would disturb each other's timings
+)
+def training_benchmark():
+    @task
+    def open_parent(params=None, dag=None, run_id=None):
+        from training_airflow import bench_tasks
+
+        return bench_tasks.open_parent(params, dag_id=dag.dag_id, dag_run_id=run_id)
+
+    @task
+    def sweep(opened: dict, params=None):
+        from training_airflow import bench_tasks
+
+        return bench_tasks.sweep(params, opened)
+
+    @task
+    def report(swept: dict, params=None):
+        from training_airflow import bench_tasks
+
+        return bench_tasks.report(params, swept)
+
+    report(sweep(open_parent()))
+
+
+training_benchmark()

@@ -1,0 +1,100 @@
+"""Task bodies and Params of the ``training_benchmark`` DAG (the sweep of ``python -m training bench``).
+
+Heavy imports (torch, mlflow) happen inside the functions, never at DAG parse time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from airflow.sdk import Param
+
+from training_airflow import settings
+from training_airflow.params import NAME_PATTERN
+
+log = logging.getLogger(__name__)
+
+
+def bench_params() -> dict[str, Param]:
+    return {
+        "dataset_uri": Param(settings.default_dataset_uri(), type="string", minLength=1, title="Dataset",
+                             description="Folder written by `python -m training make-data`; its kind must match the model."),
+        "experiment": Param("training_benchmark", type="string", pattern=NAME_PATTERN, title="MLflow experiment",
+                            description="Experiment of the parent run and its child runs (one per grid point)."),
+        "model": Param("mlp", type="string", enum=["mlp", "cnn", "transformer"], title="Model",
+                       description="Model family of every point: mlp (tabular), cnn (images), transformer (tokens)."),
+        "world_sizes": Param([1, 2], type="array", items={"type": "integer", "minimum": 1, "maximum": 64},
+                             minItems=1, title="World sizes", description="Ranks per point (torchrun --nproc-per-node)."),
+        "strategies": Param(["ddp"], type="array", items={"type": "string", "enum": ["ddp", "fsdp"]}, minItems=1,
+                            title="Strategies", description="ddp and/or fsdp."),
+        "precisions": Param(["fp32"], type="array", items={"type": "string", "enum": ["fp32", "bf16", "fp16"]},
+                            minItems=1, title="Precisions", description="fp32, bf16, fp16 (fp16 only with ddp)."),
+        "comm_hooks": Param(["none"], type="array", items={"type": "string", "enum": ["none", "fp16", "bf16"]},
+                            minItems=1, title="Gradient compression",
+                            description="DDP comm hooks: none, fp16, bf16 (bf16 needs GPUs); points the trainer "
+                                        "would refuse are skipped with the reason in the log."),
+        "steps": Param(100, type="integer", minimum=1, maximum=1_000_000, title="Steps per point",
+                       description="Optimizer steps of every point."),
+        "batch_size": Param(64, type="integer", minimum=1, maximum=1_048_576, title="Global batch size",
+                            description="Samples per optimizer step; must be divisible by every world size."),
+        "log_every": Param(10, type="integer", minimum=1, title="Log interval",
+                           description="Steps per logged interval (the report takes medians over intervals)."),
+    }
+
+
+def _base(params: dict[str, Any]) -> dict[str, Any]:
+    return {"dataset_uri": settings.resolve_path(params["dataset_uri"]), "model": params["model"], "steps": int(params["steps"]),
+            "batch_size": int(params["batch_size"]), "log_every": int(params["log_every"]), "checkpoint_every": 0}
+
+
+def open_parent(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> dict[str, Any]:
+    """The parent MLflow run of this DAG run (a retry finds the same one) and the grid to run."""
+    settings.ensure_tracking_uri()
+    import torch
+    from airflow.exceptions import AirflowFailException
+
+    from training.bench import grid
+    from training.config import ConfigError
+    from training.tracking import open_run
+
+    try:
+        points, skipped = grid(params["world_sizes"], params["strategies"], params["precisions"], params["comm_hooks"],
+                               base=_base(params), cuda=torch.cuda.is_available())
+    except ConfigError as e:
+        raise AirflowFailException(f"invalid parameters: {e}") from None
+    for line in skipped:
+        log.warning("skipped %s", line)
+    if not points:
+        raise AirflowFailException("no point of the grid can run: see the skipped points in this log")
+    parent = open_run(params["experiment"], dag_id=dag_id, dag_run_id=dag_run_id, run_name=f"benchmark {dag_run_id}")
+    return {"parent_run_id": parent, "points": [vars(p) for p in points]}
+
+
+def sweep(params: dict[str, Any], opened: dict[str, Any]) -> dict[str, Any]:
+    """Every point as a child run; a retry skips the points already finished."""
+    settings.ensure_tracking_uri()
+    from training.bench import Point, run_sweep
+
+    parent = opened["parent_run_id"]
+    results = run_sweep(experiment=params["experiment"], parent_run_id=parent,
+                        points=[Point(**p) for p in opened["points"]], base=_base(params),
+                        work=settings.work_dir() / parent, echo=log.info)
+    failed = [r["point"] for r in results if r["status"] != "FINISHED"]
+    if failed:
+        raise RuntimeError(f"benchmark points failed: {', '.join(failed)} (see the log above)")
+    return {**opened, "results": results}
+
+
+def report(params: dict[str, Any], swept: dict[str, Any]) -> dict[str, Any]:
+    """Comparison report of the children, logged to the parent run under comparison/."""
+    settings.ensure_tracking_uri()
+    from mlflow.tracking import MlflowClient
+
+    from training.bench import report as write
+
+    parent = swept["parent_run_id"]
+    result = write(experiment=params["experiment"], parent_run_id=parent, out=settings.work_dir() / parent / "report")
+    MlflowClient().set_terminated(parent, "FINISHED")
+    log.info("comparison report of %d runs logged to run %s: %s", len(result["runs"]), parent, result["report_md"])
+    return {"parent_run_id": parent, "runs": result["runs"], "plots": sorted(result["plots"])}
