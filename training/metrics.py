@@ -53,6 +53,8 @@ def measure_matmul_flops(device: torch.device, precision: str, n: int = 512, rep
     """FLOP/s of a square matmul in the run's compute dtype, best of ``repeats`` (a practical
     peak for this process's threads; there is no datasheet figure for an arbitrary CPU)."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16 if (precision == "fp16" and device.type == "cuda") else torch.float32
+    if device.type == "cpu" and dtype != torch.float32:
+        n = min(n, 256)  # CPU half-precision matmuls can be ~100x slower: keep start-up short
     gen = torch.Generator(device=device).manual_seed(0)  # leaves the training RNG streams untouched
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
@@ -85,7 +87,8 @@ def peak_flops(device: torch.device, precision: str, cache: Path | None) -> tupl
         # The matmul runs with this process's torch threads (OMP_NUM_THREADS under torchrun)
         # while the other ranks also run: what one rank can get, not the whole machine.
         peak = measure_matmul_flops(device, precision)
-        source = f"measured: {device.type} matmul 512x512 {precision}, {torch.get_num_threads()} threads"
+        n = 256 if device.type == "cpu" and precision == "bf16" else 512
+        source = f"measured: {device.type} matmul {n}x{n} {precision}, {torch.get_num_threads()} threads"
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
