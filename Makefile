@@ -18,7 +18,7 @@ export GX_ANALYTICS_ENABLED := False
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := true
 
-.PHONY: install demo test airflow-up airflow-down mlflow-ui compare clean help
+.PHONY: install demo test airflow-up airflow-down mlflow-ui compare screenshots chromium clean help
 
 help:
 	@echo "make demo         install (first time), make data, run one full DAG run, print where to look"
@@ -26,6 +26,8 @@ help:
 	@echo "make airflow-up   start the Airflow web UI + scheduler on 127.0.0.1:8080 (admin password printed)"
 	@echo "make airflow-down stop them"
 	@echo "make mlflow-ui    MLflow UI on 127.0.0.1:5000 over the project's tracking store"
+	@echo "make compare      comparison report of the last LAST=10 runs of EXPERIMENT=distributed_training"
+	@echo "make screenshots  refresh docs/images/ from the headless-browser test of the web UI"
 
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,8 +43,28 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q
+
+# The web-UI test drives Debian's chromium headless. Installed here when missing and we may.
+chromium:
+	@command -v chromium >/dev/null && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing chromium (apt-get) for the web-UI test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else \
+	  echo "chromium is missing: install it (Debian/Ubuntu: sudo apt-get install -y chromium), then run make test again"; \
+	  exit 1; \
+	fi
+
+EXPERIMENT ?= distributed_training
+LAST ?= 10
+compare: $(STAMP)
+	$(BIN)/python -m training compare --experiment $(EXPERIMENT) --last $(LAST) --out var/reports/$(EXPERIMENT)
+	@echo "open var/reports/$(EXPERIMENT)/report.html"
+
+screenshots: $(STAMP) chromium
+	UPDATE_SCREENSHOTS=1 $(BIN)/python -m pytest -q tests/e2e/test_live_ui.py
 
 airflow-up: $(STAMP)
 	$(BIN)/python scripts/airflow_local.py up

@@ -31,7 +31,8 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import TriggerRule, dag, task
 
-from training_airflow import kubernetes
+from training_airflow import kubernetes, settings
+from training_airflow.assets import TRAINING_DATASET
 from training_airflow.params import training_params
 
 DEFAULT_ARGS = {
@@ -42,23 +43,26 @@ DEFAULT_ARGS = {
 }
 
 
-@dag(
-    dag_id="distributed_training",
-    schedule=None,
-    start_date=datetime(2026, 1, 1),
-    catchup=False,
-    max_active_runs=1,
-    tags=["training", "distributed", "mlflow"],
-    params=training_params(),
-    default_args=DEFAULT_ARGS,
-    doc_md=__doc__,
-)
-def distributed_training():
+ON_DATA_DOC = """
+# Distributed training when new data lands
+
+The same pipeline as **distributed_training** (same tasks, same Params and defaults), scheduled on
+the Asset **training_dataset** instead of a clock: every time `register_dataset` announces new data
+that passed the data gate, one run trains on the folder the event names (`dataset_uri` in the
+event's extra; the Param is the fallback) and the registry gate decides whether the new model
+becomes the `champion`. Events that arrive while a run is active are collected into the next run.
+"""
+
+
+def pipeline():
+    """The task wiring of a training run, shared by both DAGs below."""
+
     @task
-    def validate_data(params=None, dag=None, run_id=None):
+    def validate_data(params=None, dag=None, run_id=None, triggering_asset_events=None):
         from training_airflow import tasks
 
-        return tasks.validate_data(params, dag_id=dag.dag_id, dag_run_id=run_id)
+        return tasks.validate_data(params, dag_id=dag.dag_id, dag_run_id=run_id,
+                                   dataset_uri=tasks.dataset_from_events(triggering_asset_events))
 
     @task
     def train(handoff: dict, params=None):
@@ -116,4 +120,15 @@ def distributed_training():
     report(evaluate(uploaded))
 
 
+COMMON = dict(start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=1, default_args=DEFAULT_ARGS)
+
+# Schedule: TRAINING_SCHEDULE (cron or preset, `none` to switch it off); see docs/operations.md.
+distributed_training = dag(dag_id="distributed_training", schedule=settings.training_schedule(),
+                           tags=["training", "distributed", "mlflow"], params=training_params(), doc_md=__doc__,
+                           **COMMON)(pipeline)
+distributed_training_on_data = dag(dag_id="distributed_training_on_data", schedule=[TRAINING_DATASET],
+                                   tags=["training", "distributed", "mlflow", "data-driven"], params=training_params(),
+                                   doc_md=ON_DATA_DOC, **COMMON)(pipeline)
+
 distributed_training()
+distributed_training_on_data()

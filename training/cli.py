@@ -1,4 +1,4 @@
-"""`python -m training <command>`: make-data, validate, train, upload, evaluate.
+"""`python -m training <command>`: make-data, validate, train, upload, evaluate, compare.
 
 Exit codes other tools script against:
   0  success
@@ -66,6 +66,18 @@ def _cmd_evaluate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(a: argparse.Namespace) -> int:
+    from training.compare import CompareError, write_report
+
+    try:
+        result = write_report(a.experiment, a.out, run_ids=a.runs, last=a.last)
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def _cmd_bench(a: argparse.Namespace) -> int:
     from training.bench import main
 
@@ -116,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run-id", required=True, help="MLflow run id")
     s.add_argument("--dataset-uri", required=True, help="dataset folder (its validation split is scored)")
     s.set_defaults(fn=_cmd_evaluate)
+
+    s = sub.add_parser("compare", help="comparison report (table + plots) of MLflow runs",
+                       description="Reads runs from MLFLOW_TRACKING_URI and writes report.md, report.html and PNG plots.")
+    s.add_argument("--experiment", required=True, help="MLflow experiment name")
+    s.add_argument("--runs", nargs="+", metavar="RUN_ID", help="these runs (default: the last N finished runs)")
+    s.add_argument("--last", type=int, default=10, help="how many of the newest finished runs (default 10)")
+    s.add_argument("--out", required=True, help="folder for report.md, report.html and the plots")
+    s.set_defaults(fn=_cmd_compare)
 
     s = sub.add_parser("bench", help="benchmark sweep: one child MLflow run per grid point, then the comparison report",
                        description="Runs world size x strategy x precision x comm_hook with torchrun on this machine. "

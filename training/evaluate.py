@@ -9,6 +9,7 @@ file of the checkpoint was checked against its manifest's sha256.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from training import checkpoint, storage
 from training.data import load_split
 from training.datasets import read_meta
+from training.models import split_batch
 
 
 @torch.no_grad()
@@ -33,7 +35,9 @@ def score(model: torch.nn.Module, features: torch.Tensor, labels: torch.Tensor, 
 
 
 def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_dir: str | None = None,
-        store_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+        keep_model_in: str | None = None, store_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Score the run's latest verified checkpoint; ``keep_model_in`` also keeps its verified
+    ``model.safetensors`` + ``model_config.json`` there (for the model registry)."""
     meta = read_meta(dataset_uri)
     val = load_split(dataset_uri, "validation")
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
@@ -42,6 +46,10 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
         if not (local / checkpoint.MODEL_FILE).is_file():
             raise storage.CheckpointCorrupt(f"{local.name} has no {checkpoint.MODEL_FILE}: not a final checkpoint")
         model, spec = checkpoint.load_exported(local)
+        if keep_model_in:
+            Path(keep_model_in).mkdir(parents=True, exist_ok=True)
+            for name in (checkpoint.MODEL_FILE, checkpoint.MODEL_CONFIG_FILE):
+                shutil.copyfile(local / name, Path(keep_model_in) / name)
     if spec["features"] != meta["features"]:
         raise ValueError(f"model was trained on features {spec['features']} but the dataset has {meta['features']}")
     metrics = score(model, torch.from_numpy(val.features), torch.from_numpy(val.labels))
@@ -54,3 +62,23 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
         "warnings": warnings,
         "rows": len(val.labels),
     }
+
+
+def score_folder(model_dir: str | Path, dataset_uri: str) -> dict[str, float]:
+    """Score an exported model folder (``model.safetensors`` + ``model_config.json``) on the
+    validation split of ``dataset_uri``: how the registry compares a champion on new data."""
+    meta = read_meta(dataset_uri)
+    model, spec = checkpoint.load_exported(model_dir)
+    if spec["features"] != meta["features"]:
+        raise ValueError(f"model was trained on features {spec['features']} but the dataset has {meta['features']}")
+    val = load_split(dataset_uri, "validation")
+    return score(model, torch.from_numpy(val.features), torch.from_numpy(val.labels))
+
+
+def example_inputs(dataset_uri: str, n: int = 5):
+    """Model inputs for the first ``n`` validation rows (numpy): the logged model's input example."""
+    meta = read_meta(dataset_uri)
+    val = load_split(dataset_uri, "validation")
+    labels = torch.from_numpy(val.labels[:n]) if val.labels is not None else None
+    inputs, _ = split_batch(meta["kind"], torch.from_numpy(val.features[:n]), labels)
+    return inputs.numpy()

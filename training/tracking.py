@@ -91,6 +91,15 @@ class RunLogger:
         items = [Metric(k, float(v), ts, step) for k, v in metrics.items()]
         self.client.log_batch(self.run_id, metrics=items)
 
+    def log_metrics_once(self, metrics: dict[str, float], step: int) -> dict[str, float]:
+        """Like ``log_metrics``, but skip every metric that already has a value at ``step``: a
+        retried or cleared task then leaves one point per step, not two. Returns what it logged."""
+        new = {k: v for k, v in metrics.items()
+               if not any(m.step == step for m in self.client.get_metric_history(self.run_id, k))}
+        if new:
+            self.log_metrics(new, step=step)
+        return new
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
@@ -113,6 +122,7 @@ class NullLogger:
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_metrics_once(self, metrics: dict[str, float], step: int) -> dict[str, float]: return {}
     def set_tags(self, tags: dict[str, Any]) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...

@@ -58,6 +58,15 @@ def training_params() -> dict[str, Param]:
             description="local: torchrun on the Airflow worker (world_size ranks). kubernetes: an Indexed Job of "
                         "k8s_nnodes pods on a cluster (see the Kubernetes fields); world_size is then ignored."),
         **kubernetes_params(),
+        "registered_model": Param(
+            None, type=["null", "string"], pattern=NAME_PATTERN, title="Registered model",
+            description="MLflow registered model that `evaluate` registers the trained model under. "
+                        "Empty: the experiment name."),
+        "promotion_margin": Param(
+            0.005, type="number", minimum=0, maximum=1, title="Promotion margin",
+            description="The new model takes the registry alias `champion` only if its eval/accuracy beats the "
+                        "current champion's by more than this (absolute: 0.005 = half a percentage point). "
+                        "Otherwise it is registered as a challenger and the run says why."),
     }
 
 
@@ -99,7 +108,7 @@ def kubernetes_params() -> dict[str, Param]:
                                        title="Image pull policy", description="Kubernetes imagePullPolicy of every container.",
                                        section=K8S),
         "k8s_image_pull_secret": Param(
-            "", type="string", pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$", maxLength=253, title="Image pull Secret",
+            None, type=["null", "string"], pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$", maxLength=253, title="Image pull Secret",
             description="Secret with registry credentials for a private registry; empty: none.", section=K8S),
         "k8s_nnodes": Param(2, type="integer", minimum=1, maximum=256, title="Nodes (pods)",
                             description="Pods of the Indexed Job (completions = parallelism = this); torchrun --nnodes max.",
@@ -128,7 +137,7 @@ def kubernetes_params() -> dict[str, Param]:
                               "Secret with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally AWS_ENDPOINT_URL, "
                               "AWS_DEFAULT_REGION; pods get them by reference, never as values."),
         "k8s_mlflow_tracking_uri": Param(
-            "", type="string", pattern=r"^(https?://[^\s@]+)?$", title="MLflow URI for the pods",
+            None, type=["null", "string"], pattern=r"^(https?://[^\s@]+)?$", title="MLflow URI for the pods",
             description="http(s) address of the MLflow server as seen from the pods. Empty: the worker's "
                         "MLFLOW_TRACKING_URI, which must then be http(s).", section=K8S),
         "k8s_rdzv_port": Param(29400, type="integer", minimum=1024, maximum=65535, title="Rendezvous port",

@@ -43,3 +43,23 @@ def resolve_path(value: str) -> str:
     if "://" in value or Path(value).is_absolute():
         return value.removeprefix("file://") if value.startswith("file://") else value
     return str(PROJECT_ROOT / value)
+
+
+# Nightly at 03:00 UTC unless the deployment says otherwise.
+DEFAULT_SCHEDULE = "0 3 * * *"
+
+
+def training_schedule() -> str | None:
+    """Schedule of ``distributed_training``: ``TRAINING_SCHEDULE`` (a cron expression or a preset
+    such as ``@daily``; ``none`` for manual and data-driven runs only). Read when the DAG file is
+    parsed, so set it in the environment of the dag-processor and scheduler."""
+    value = os.environ.get("TRAINING_SCHEDULE", DEFAULT_SCHEDULE).strip()
+    if value.lower() in ("", "none", "null", "off"):
+        return None
+    from croniter import croniter  # Airflow's own cron parser; light, unlike the training stack
+
+    presets = {"@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@once", "@continuous"}
+    if value not in presets and not croniter.is_valid(value):
+        raise ValueError(f"TRAINING_SCHEDULE={value!r} is not a cron expression. Fix: use e.g. '0 3 * * *', "
+                         "'@daily', or 'none' for no schedule")
+    return value

@@ -62,9 +62,13 @@ def _logger(run_id: str):
     return RunLogger(run_id)
 
 
-def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> dict[str, Any]:
-    """Open (or re-open) this DAG run's MLflow run, check the config, then run the data gate."""
+def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_uri: str | None = None) -> dict[str, Any]:
+    """Open (or re-open) this DAG run's MLflow run, check the config, then run the data gate.
+
+    ``dataset_uri`` (from the asset event of a data-driven run) replaces the Param; later tasks
+    get it through the handoff."""
     settings.ensure_tracking_uri()
+    params = with_dataset(params, dataset_uri)
     from training.config import ConfigError, check_path_part
     from training.tracking import open_run
 
@@ -83,7 +87,7 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> di
     connections.store_env(params)  # a missing or unreadable aws_conn_id fails here too
 
     run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=dag_run_id,
-                      tags={"backend": backend, "world_size": str(world_size), "model": params["model"]})
+                      tags={**run_tags(params), "backend": backend, "world_size": str(world_size)})
     logger = _logger(run_id)
     log.info("MLflow run %s (experiment %s)", run_id, experiment)
 
@@ -99,12 +103,37 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> di
             raise AirflowFailException(str(e)) from None
         _record_verdict(logger, report, docs)
     log.info("data gate passed: %s rows, fingerprint %s", report["rows"], report["fingerprint"][:16])
-    return {"mlflow_run_id": run_id, "dataset_fingerprint": report["fingerprint"]}
+    return {"mlflow_run_id": run_id, "dataset_fingerprint": report["fingerprint"], "dataset_uri": dataset}
+
+
+# Tags every run carries, so MLflow's compare view lines runs up by them. A Param a deployment
+# does not have yet is tagged with the trainer's default.
+RUN_TAG_DEFAULTS = {"backend": "local", "world_size": 1, "model": "mlp", "strategy": "ddp", "precision": "fp32"}
+
+
+def run_tags(params: dict[str, Any]) -> dict[str, str]:
+    return {k: str(params.get(k, default)) for k, default in RUN_TAG_DEFAULTS.items()}
+
+
+def with_dataset(params: dict[str, Any], dataset_uri: str | None) -> dict[str, Any]:
+    return {**params, "dataset_uri": dataset_uri} if dataset_uri else params
+
+
+def dataset_from_events(triggering_asset_events: Any) -> str | None:
+    """The dataset folder announced by the newest asset event that started this run (``None``
+    for a manual or scheduled run): a data-driven run trains on the data that landed."""
+    newest = None
+    for events in (triggering_asset_events or {}).values():
+        for event in events:
+            if (event.extra or {}).get("dataset_uri") and (newest is None or event.timestamp > newest.timestamp):
+                newest = event
+    return newest.extra["dataset_uri"] if newest is not None else None
 
 
 def train(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
     """Start torchrun with ``world_size`` ranks; a retry resumes from the latest local checkpoint."""
     settings.ensure_tracking_uri()
+    params = with_dataset(params, handoff.get("dataset_uri"))
     run_id = handoff["mlflow_run_id"]
     run_dir = settings.work_dir() / run_id  # keyed by the MLflow run: stable across task retries
     cfg = train_config(params, checkpoint_dir=str(run_dir / "checkpoints"), output_dir=str(run_dir / "output"))
@@ -123,8 +152,8 @@ def train(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
         raise launcher.TrainingFailed(launcher.explain_failure(result))
 
     summary = json.loads((run_dir / "output" / "train_summary.json").read_text())
-    _logger(run_id).log_metrics({"pipeline/torchrun_wall_s": result.wall_s}, step=summary["final_step"])
-    return {"mlflow_run_id": run_id, "checkpoint_path": summary["checkpoint_path"],
+    _logger(run_id).log_metrics_once({"pipeline/torchrun_wall_s": result.wall_s}, step=summary["final_step"])
+    return {**handoff, "mlflow_run_id": run_id, "checkpoint_path": summary["checkpoint_path"],
             "final_step": summary["final_step"], "torchrun_wall_s": result.wall_s}
 
 
@@ -142,7 +171,7 @@ def upload_checkpoint(params: dict[str, Any], handoff: dict[str, Any]) -> dict[s
     log.info("committed %s (%d objects uploaded, %d already there) in %.2fs", c.uri, c.uploaded, c.skipped, c.seconds)
     logger = _logger(run_id)
     logger.set_tags({"checkpoint.uri": c.uri})
-    logger.log_metrics({"ckpt/upload_s": c.seconds}, step=handoff["final_step"])
+    logger.log_metrics_once({"ckpt/upload_s": c.seconds}, step=handoff["final_step"])
     return {**handoff, "checkpoint_uri": c.uri}
 
 
@@ -151,14 +180,17 @@ def evaluate(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
     settings.ensure_tracking_uri()
     from training.evaluate import run
 
+    params = with_dataset(params, handoff.get("dataset_uri"))
     run_id = handoff["mlflow_run_id"]
     settings.work_dir().mkdir(parents=True, exist_ok=True)
+    model_dir = settings.work_dir() / run_id / "evaluated_model"
+    dataset = settings.resolve_path(params["dataset_uri"])
     store_env = connections.store_env(params)
     result = run(store_uri=params["store_uri"], experiment=params["experiment"], run_id=run_id,
-                 dataset_uri=settings.resolve_path(params["dataset_uri"]), work_dir=str(settings.work_dir()),
+                 dataset_uri=dataset, work_dir=str(settings.work_dir()), keep_model_in=str(model_dir),
                  store_env=store_env)
     logger = _logger(run_id)
-    logger.log_metrics({"eval/loss": result["eval/loss"], "eval/accuracy": result["eval/accuracy"]}, step=result["step"])
+    logger.log_metrics_once({"eval/loss": result["eval/loss"], "eval/accuracy": result["eval/accuracy"]}, step=result["step"])
     if result["warnings"]:
         for w in result["warnings"]:
             log.warning("checkpoint fallback: %s", w)
@@ -167,7 +199,9 @@ def evaluate(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
     keep_checkpoints(params, run_id, result, store_env)
     log.info("eval at step %d: loss %.4f, accuracy %.4f (reachable %.3f, chance %.3f)", result["step"],
              result["eval/loss"], result["eval/accuracy"], result["bayes_accuracy"], result["chance_accuracy"])
-    return {**handoff, "eval_loss": result["eval/loss"], "eval_accuracy": result["eval/accuracy"]}
+    gate = register_model(params, handoff, model_dir=model_dir, dataset=dataset, accuracy=result["eval/accuracy"],
+                          step=result["step"])
+    return {**handoff, "eval_loss": result["eval/loss"], "eval_accuracy": result["eval/accuracy"], "registry": gate}
 
 
 def keep_checkpoints(params: dict[str, Any], run_id: str, result: dict[str, Any], store_env: dict[str, str]) -> None:
@@ -187,6 +221,22 @@ def keep_checkpoints(params: dict[str, Any], run_id: str, result: dict[str, Any]
         log.warning("checkpoint retention skipped: %s", e)
 
 
+def register_model(params: dict[str, Any], handoff: dict[str, Any], *, model_dir: Path, dataset: str,
+                   accuracy: float, step: int) -> dict[str, Any]:
+    """Log the evaluated model, register it, and let it take the `champion` alias if it is better."""
+    from training import registry
+    from training.evaluate import example_inputs, score_folder
+
+    name = params.get("registered_model") or params["experiment"]
+    gate = registry.register_and_gate(
+        run_id=handoff["mlflow_run_id"], model_dir=model_dir, registered_model=name, metric_value=accuracy,
+        margin=float(params.get("promotion_margin", 0.0)), example_inputs=example_inputs(dataset), step=step,
+        data_fingerprint=handoff.get("dataset_fingerprint"),
+        score_model=lambda folder: score_folder(folder, dataset)["eval/accuracy"])
+    log.info("registry: %s version %s is %s: %s", gate["registered_model"], gate["version"], gate["decision"], gate["reason"])
+    return gate
+
+
 def report(params: dict[str, Any], handoff: dict[str, Any], *, dag_run_start: datetime | None) -> dict[str, Any]:
     """Close the MLflow run and record how much of the DAG's wall time was orchestration."""
     settings.ensure_tracking_uri()
@@ -196,7 +246,7 @@ def report(params: dict[str, Any], handoff: dict[str, Any], *, dag_run_start: da
     if dag_run_start is not None:
         wall = (datetime.now(timezone.utc) - dag_run_start).total_seconds()
         metrics = {"pipeline/dag_wall_s": wall, "pipeline/orchestration_overhead_s": wall - handoff["torchrun_wall_s"]}
-        logger.log_metrics(metrics, step=handoff["final_step"])
+        logger.log_metrics_once(metrics, step=handoff["final_step"])
     logger.finish("FINISHED")
     summary = {**handoff, **metrics, "finished_unix": time.time()}
     log.info("run summary: %s", json.dumps(summary))

@@ -1,0 +1,206 @@
+"""A real Airflow 3 on 127.0.0.1 for tests: api-server, scheduler, dag-processor, triggerer.
+
+Each part is its own process with a throw-away AIRFLOW_HOME (SQLite metadata DB, LocalExecutor),
+a free port and a known admin password; ``stop()`` ends every process group it started. The
+client side talks to the public REST API (``/api/v2``) with a JWT from ``/auth/token``, exactly as
+a script or the web UI would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+PASSWORD = "test-" + secrets.token_urlsafe(9)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveAirflow:
+    def __init__(self, home: Path, *, extra_env: dict[str, str] | None = None):
+        self.home = home
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._token: str | None = None
+        self.env = self._make_env(extra_env or {})
+
+    def _make_env(self, extra: dict[str, str]) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            AIRFLOW_HOME=str(self.home),
+            AIRFLOW__CORE__DAGS_FOLDER=str(ROOT / "dags"),
+            AIRFLOW__CORE__PLUGINS_FOLDER=str(ROOT / "plugins"),
+            AIRFLOW__CORE__LOAD_EXAMPLES="False",
+            AIRFLOW__CORE__EXECUTOR="LocalExecutor",
+            AIRFLOW__CORE__PARALLELISM="4",
+            AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{self.home / 'airflow.db'}",
+            AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS="admin:admin",
+            AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE=str(self.home / "passwords.json"),
+            AIRFLOW__API__BASE_URL=self.base,
+            AIRFLOW__API__WORKERS="1",
+            AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"{self.base}/execution/",
+            # Every part must sign and check the same JWTs; fixed per fixture, never a real secret.
+            AIRFLOW__API_AUTH__JWT_SECRET=secrets.token_urlsafe(32),
+            AIRFLOW__API__SECRET_KEY=secrets.token_urlsafe(32),
+            # Quick reaction instead of production pacing: the DAG folder is small.
+            AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="5",
+            AIRFLOW__DAG_PROCESSOR__PARSING_PROCESSES="1",
+            AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME="0.5",
+            AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION="True",
+            # On a loaded 2-core machine the api-server can take longer than the default 5 s to
+            # answer a task's first call; the task would fail before it starts.
+            AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT="60",
+            MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false",
+            AIRFLOW__LOGGING__LOGGING_LEVEL="INFO",
+        )
+        env.update(extra)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), str(ROOT), env.get("PYTHONPATH")]))
+        return env
+
+    # ------------------------------------------------------------------ processes
+    def start(self, timeout: float = 300) -> "LiveAirflow":
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "passwords.json").write_text(json.dumps({"admin": PASSWORD}))
+        airflow = str(Path(sys.executable).parent / "airflow")
+        subprocess.run([airflow, "db", "migrate"], env=self.env, check=True, cwd=ROOT,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        parts = {
+            "api-server": ["api-server", "--host", "127.0.0.1", "--port", str(self.port)],
+            "scheduler": ["scheduler", "--skip-serve-logs"],
+            "dag-processor": ["dag-processor"],
+            "triggerer": ["triggerer", "--skip-serve-logs"],
+        }
+        for name, args in parts.items():
+            log = open(self.home / f"{name}.log", "ab")
+            self.procs[name] = subprocess.Popen([airflow, *args], env=self.env, cwd=ROOT, stdout=log,
+                                                stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                if requests.get(f"{self.base}/api/v2/monitor/health", timeout=5).status_code == 200:
+                    # The execution API (what task processes call) builds its versioned models on
+                    # first use; pay that once here rather than inside the first task's timeout.
+                    requests.get(f"{self.base}/execution/health", timeout=max(5.0, deadline - time.monotonic()))
+                    return self
+            except (requests.ConnectionError, requests.Timeout):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"api-server not healthy after {timeout}s; see {self.home}/api-server.log")
+
+    def _check_alive(self) -> None:
+        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+        if dead:
+            logs = {n: (self.home / f"{n}.log").read_text()[-2000:] for n in dead}
+            raise RuntimeError(f"Airflow parts exited: {dead}\n{logs}")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    # ------------------------------------------------------------------ REST
+    def token(self) -> str:
+        if self._token is None:
+            r = requests.post(f"{self.base}/auth/token", json={"username": "admin", "password": PASSWORD}, timeout=30)
+            r.raise_for_status()
+            self._token = r.json()["access_token"]
+        return self._token
+
+    def api(self, method: str, path: str, **kw: Any) -> requests.Response:
+        headers = {"Authorization": f"Bearer {self.token()}"}
+        return requests.request(method, f"{self.base}/api/v2{path}", headers=headers, timeout=60, **kw)
+
+    def wait_for_dags(self, *dag_ids: str, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        missing = list(dag_ids)
+        while time.monotonic() < deadline:
+            self._check_alive()
+            missing = [d for d in dag_ids if self.api("GET", f"/dags/{d}").status_code != 200]
+            if not missing:
+                return
+            time.sleep(2)
+        errors = self.api("GET", "/importErrors").json()
+        raise TimeoutError(f"DAGs {missing} not parsed after {timeout}s; import errors: {errors}")
+
+    def unpause(self, dag_id: str) -> None:
+        r = self.api("PATCH", f"/dags/{dag_id}", json={"is_paused": False})
+        assert r.status_code == 200, r.text
+
+    def trigger(self, dag_id: str, conf: dict[str, Any]) -> requests.Response:
+        return self.api("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
+
+    def wait_for_run(self, dag_id: str, run_id: str, *, timeout: float = 600) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        run: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            self._check_alive()
+            run = self.api("GET", f"/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}").json()
+            if run.get("state") in ("success", "failed"):
+                return run
+            time.sleep(2)
+        raise TimeoutError(f"{dag_id}/{run_id} still {run.get('state')} after {timeout}s: {self.task_states(dag_id, run_id)}")
+
+    def runs(self, dag_id: str, **query: Any) -> list[dict[str, Any]]:
+        r = self.api("GET", f"/dags/{dag_id}/dagRuns", params=query)
+        assert r.status_code == 200, r.text
+        return r.json()["dag_runs"]
+
+    def clear(self, dag_id: str, run_id: str, task_ids: list[str]) -> None:
+        """What "Clear task (and downstream)" in the UI does: the tasks run again as a new try."""
+        r = self.api("POST", f"/dags/{dag_id}/clearTaskInstances",
+                     json={"dry_run": False, "dag_run_id": run_id, "task_ids": task_ids, "include_downstream": True,
+                           "only_failed": False, "reset_dag_runs": True})
+        assert r.status_code == 200, r.text
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
+        tis = self.api("GET", f"/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances").json()["task_instances"]
+        return {ti["task_id"]: ti["state"] for ti in tis}
+
+    def try_numbers(self, dag_id: str, run_id: str) -> dict[str, int]:
+        tis = self.api("GET", f"/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances").json()["task_instances"]
+        return {ti["task_id"]: ti["try_number"] for ti in tis}
+
+    def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value") -> Any:
+        r = self.api("GET", f"/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/xcomEntries/{key}")
+        assert r.status_code == 200, r.text
+        return r.json()["value"]
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
+        r = self.api("GET", f"/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/logs/{try_number}")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        content = body.get("content", body)
+        if not isinstance(content, list):
+            return str(content)
+        lines = []
+        for entry in content:  # structured log records; an exception's text is in error_detail
+            if not isinstance(entry, dict):
+                lines.append(str(entry))
+                continue
+            lines.append(str(entry.get("event", "")))
+            lines += [f"{d.get('exc_type')}: {d.get('exc_value')}" for d in entry.get("error_detail") or []]
+        return "\n".join(lines)
