@@ -3,6 +3,7 @@
 Exit codes other tools script against:
   0  success
   2  bad input (config, CLI arguments, data that failed validation): fix the input, do not retry
+ 75  preempted (SIGTERM): a checkpoint of the current step was written; run again to resume
   1  anything else (a crash, a store that is down): a retry may help
 """
 
@@ -18,11 +19,17 @@ EXIT_BAD_INPUT = 2
 
 
 def _cmd_make_data(a: argparse.Namespace) -> int:
-    from training.datasets import make_teacher_dataset
+    from training.datasets import make_digits_dataset, make_markov_dataset, make_teacher_dataset
 
-    meta = make_teacher_dataset(a.out, n_train=a.train_rows, n_val=a.val_rows, n_features=a.features,
-                                n_classes=a.classes, label_noise=a.label_noise, seed=a.seed)
-    print(json.dumps({"dataset_uri": a.out, "bayes_accuracy": meta["bayes_accuracy"], "rows": meta["rows"]}))
+    if a.kind == "digits":
+        meta = make_digits_dataset(a.out, seed=a.seed)
+    elif a.kind == "markov":
+        meta = make_markov_dataset(a.out, n_train=a.train_rows, n_val=a.val_rows, vocab=a.vocab, seq_len=a.seq_len, seed=a.seed)
+    else:
+        meta = make_teacher_dataset(a.out, n_train=a.train_rows, n_val=a.val_rows, n_features=a.features,
+                                    n_classes=a.classes, label_noise=a.label_noise, seed=a.seed)
+    known = {k: meta[k] for k in ("bayes_accuracy", "loss_floor") if k in meta}
+    print(json.dumps({"dataset_uri": a.out, "kind": meta["kind"], **known, "rows": meta["rows"]}))
     return 0
 
 
@@ -45,9 +52,13 @@ def _cmd_train(a: argparse.Namespace) -> int:
     if a.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    from training.train import run
+    from training.train import EXIT_PREEMPTED, Preempted, run
 
-    run(cfg)
+    try:
+        run(cfg)
+    except Preempted as e:
+        print(f"train: preempted; checkpoint written at step {e.args[0]}; run again to resume", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     return 0
 
 
@@ -89,14 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("make-data", help="write a dataset whose reachable accuracy is known")
+    s = sub.add_parser("make-data", help="write a dataset whose reachable accuracy or loss is known")
     s.add_argument("--out", required=True, help="folder to write (train/, validation/, dataset.json)")
+    s.add_argument("--kind", choices=["teacher", "digits", "markov"], default="teacher",
+                   help="teacher: tabular (mlp); digits: 8x8 images (cnn); markov: token sequences (transformer)")
     s.add_argument("--train-rows", type=int, default=20_000, help="rows in the train split")
     s.add_argument("--val-rows", type=int, default=4_000, help="rows in the validation split")
     s.add_argument("--features", type=int, default=16, help="number of feature columns")
     s.add_argument("--classes", type=int, default=4, help="number of classes")
     s.add_argument("--label-noise", type=float, default=0.1, help="share of labels replaced at random")
-    s.add_argument("--seed", type=int, default=0, help="seed of the teacher network and the samples")
+    s.add_argument("--vocab", type=int, default=16, help="markov: vocabulary size")
+    s.add_argument("--seq-len", type=int, default=32, help="markov: tokens per sequence (plus one target)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the generator (teacher network, chain, split)")
     s.set_defaults(fn=_cmd_make_data)
 
     s = sub.add_parser("validate", help="run the Great Expectations data gate on a dataset")

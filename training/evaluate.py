@@ -15,23 +15,26 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 
 from training import checkpoint, storage
 from training.data import load_split
 from training.datasets import read_meta
-from training.models import split_batch
+from training.models import loss_fn, split_batch
 
 
 @torch.no_grad()
-def score(model: torch.nn.Module, features: torch.Tensor, labels: torch.Tensor, batch: int = 4096) -> dict[str, float]:
+def score(model: torch.nn.Module, kind: str, features: torch.Tensor, labels: torch.Tensor | None,
+          batch: int = 2048) -> dict[str, float]:
+    """Mean cross-entropy and accuracy; for tokens, per predicted token (next-token accuracy)."""
     model.eval()
-    loss_sum, correct = 0.0, 0
-    for i in range(0, len(labels), batch):
-        logits = model(features[i : i + batch])
-        loss_sum += float(F.cross_entropy(logits, labels[i : i + batch], reduction="sum"))
-        correct += int((logits.argmax(dim=1) == labels[i : i + batch]).sum())
-    return {"eval/loss": loss_sum / len(labels), "eval/accuracy": correct / len(labels)}
+    loss_sum, correct, count = 0.0, 0, 0
+    for i in range(0, len(features), batch):
+        inputs, target = split_batch(kind, features[i : i + batch], labels[i : i + batch] if labels is not None else None)
+        logits = model(inputs)
+        loss_sum += float(loss_fn(logits, target)) * target.numel()
+        correct += int((logits.argmax(dim=-1) == target).sum())
+        count += target.numel()
+    return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
 
 
 def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_dir: str | None = None,
@@ -52,15 +55,17 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
                 shutil.copyfile(local / name, Path(keep_model_in) / name)
     if spec["features"] != meta["features"]:
         raise ValueError(f"model was trained on features {spec['features']} but the dataset has {meta['features']}")
-    metrics = score(model, torch.from_numpy(val.features), torch.from_numpy(val.labels))
+    labels = torch.from_numpy(val.labels) if val.labels is not None else None
+    metrics = score(model, meta["kind"], torch.from_numpy(val.features), labels)
     return {
         **metrics,
         "step": manifest["step"],
         "checkpoint_step_dir": local.name,
         "bayes_accuracy": meta.get("bayes_accuracy"),
         "chance_accuracy": meta.get("chance_accuracy"),
+        "loss_floor": meta.get("loss_floor"),
         "warnings": warnings,
-        "rows": len(val.labels),
+        "rows": len(val.features),
     }
 
 
@@ -72,7 +77,8 @@ def score_folder(model_dir: str | Path, dataset_uri: str) -> dict[str, float]:
     if spec["features"] != meta["features"]:
         raise ValueError(f"model was trained on features {spec['features']} but the dataset has {meta['features']}")
     val = load_split(dataset_uri, "validation")
-    return score(model, torch.from_numpy(val.features), torch.from_numpy(val.labels))
+    labels = torch.from_numpy(val.labels) if val.labels is not None else None
+    return score(model, meta["kind"], torch.from_numpy(val.features), labels)
 
 
 def example_inputs(dataset_uri: str, n: int = 5):

@@ -23,14 +23,26 @@ def training_params() -> dict[str, Param]:
         "experiment": Param(
             "distributed_training", type="string", pattern=NAME_PATTERN, title="MLflow experiment",
             description="MLflow experiment the run is recorded in; also the first part of checkpoint keys."),
-        "model": Param("mlp", type="string", enum=["mlp"], title="Model",
-                       description="Model family. mlp: a tabular classifier."),
+        "model": Param("mlp", type="string", enum=["mlp", "cnn", "transformer"], title="Model",
+                       description="Model family, matching the dataset kind: mlp (tabular, make-data --kind teacher), "
+                                   "cnn (8x8 images, --kind digits), transformer (tokens, --kind markov)."),
+        "strategy": Param("ddp", type="string", enum=["ddp", "fsdp"], title="Strategy",
+                          description="ddp: a replica per rank, bucketed all-reduce overlapped with backward. "
+                                      "fsdp: FSDP2 fully_shard per block (parameters, gradients, optimizer state sharded)."),
+        "precision": Param("fp32", type="string", enum=["fp32", "bf16", "fp16"], title="Precision",
+                           description="fp32; bf16 (autocast, or FSDP2 mixed precision); fp16 (autocast + dynamic "
+                                       "loss scaling, ddp only)."),
+        "comm_hook": Param("none", type="string", enum=["none", "fp16", "bf16"], title="Gradient compression (DDP)",
+                           description="Compress DDP gradients before the all-reduce: none, fp16, bf16 (bf16 needs GPUs)."),
+        "grad_accum": Param(1, type="integer", minimum=1, maximum=1024, title="Gradient accumulation",
+                            description="Micro-batches per optimizer step; only the last one communicates. The global "
+                                        "batch must be divisible by world size x grad_accum."),
         "world_size": Param(2, type="integer", minimum=1, maximum=64, title="World size (ranks)",
                             description="Number of training processes (torchrun --nproc-per-node)."),
         "steps": Param(300, type="integer", minimum=1, maximum=10_000_000, title="Steps",
                        description="Optimizer steps in total."),
         "batch_size": Param(64, type="integer", minimum=1, maximum=1_048_576, title="Global batch size",
-                            description="Samples per optimizer step over all ranks; must be divisible by the world size."),
+                            description="Samples per optimizer step over all ranks; must be divisible by world size x grad_accum."),
         "lr": Param(3e-3, type="number", exclusiveMinimum=0, maximum=10, title="Learning rate",
                     description="Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."),
         "seed": Param(1234, type="integer", minimum=0, title="Seed",

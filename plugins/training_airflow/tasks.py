@@ -22,7 +22,8 @@ from training_airflow import connections, launcher, settings
 log = logging.getLogger(__name__)
 
 # Params that become TrainConfig fields verbatim.
-TRAIN_FIELDS = ("model", "steps", "batch_size", "lr", "seed", "checkpoint_every")
+TRAIN_FIELDS = ("model", "strategy", "precision", "comm_hook", "grad_accum", "steps", "batch_size", "lr", "seed",
+                "checkpoint_every")
 
 
 def train_config(params: dict[str, Any], *, checkpoint_dir: str = "-", output_dir: str = "") -> Any:
@@ -33,6 +34,10 @@ def train_config(params: dict[str, Any], *, checkpoint_dir: str = "-", output_di
         cfg = TrainConfig(**{k: params[k] for k in TRAIN_FIELDS}, dataset_uri=settings.resolve_path(params["dataset_uri"]),
                           checkpoint_dir=checkpoint_dir, output_dir=output_dir)
         cfg.check_world_size(int(params["world_size"]))
+        if Path(cfg.dataset_uri, "dataset.json").is_file():  # a missing dataset is the data gate's to report
+            from training.datasets import read_meta
+
+            cfg.check_dataset(read_meta(cfg.dataset_uri))
     except ConfigError as e:
         raise AirflowFailException(f"invalid run parameters: {e}") from None
     return cfg
@@ -141,6 +146,13 @@ def train(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
     config_path = run_dir / "train_config.json"
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
+    import torch  # the ranks run on this machine: refuse what its hardware cannot do, without a retry
+
+    try:
+        cfg.check_device(torch.cuda.is_available())
+    except ValueError as e:
+        raise AirflowFailException(f"invalid run parameters: {e}") from None
+
     nproc = int(params["world_size"])
     cmd = launcher.torchrun_command(nproc=nproc, config_path=config_path, max_restarts=int(params["max_restarts"]),
                                     port=launcher.free_port())
@@ -197,8 +209,9 @@ def evaluate(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
         logger.set_tags({"checkpoint.fallback": "; ".join(result["warnings"]),
                          "checkpoint.evaluated": result["checkpoint_step_dir"]})
     keep_checkpoints(params, run_id, result, store_env)
-    log.info("eval at step %d: loss %.4f, accuracy %.4f (reachable %.3f, chance %.3f)", result["step"],
-             result["eval/loss"], result["eval/accuracy"], result["bayes_accuracy"], result["chance_accuracy"])
+    known = ", ".join(f"{k} {result[k]:.4f}" for k in ("bayes_accuracy", "chance_accuracy", "loss_floor") if result.get(k) is not None)
+    log.info("eval at step %d: loss %.4f, accuracy %.4f (%s)", result["step"], result["eval/loss"],
+             result["eval/accuracy"], known or "no reference values for this dataset")
     gate = register_model(params, handoff, model_dir=model_dir, dataset=dataset, accuracy=result["eval/accuracy"],
                           step=result["step"])
     return {**handoff, "eval_loss": result["eval/loss"], "eval_accuracy": result["eval/accuracy"], "registry": gate}
