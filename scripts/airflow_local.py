@@ -41,6 +41,8 @@ def _env() -> dict[str, str]:
         AIRFLOW__API__BASE_URL=f"http://127.0.0.1:{PORT}",
         AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{PORT}/execution/",
     )
+    # A task's first call to a cold api-server can take longer than the 5 s default on a small machine.
+    env.setdefault("AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT", "60")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), env.get("PYTHONPATH")]))
     return env
 
