@@ -39,7 +39,19 @@ def test_evaluate_task_falls_back_and_says_so(dataset, tmp_path, capfd, caplog):
 
     params = {"dataset_uri": str(dataset), "experiment": "fallback", "store_uri": store.as_uri(),
               "aws_conn_id": None, "retention_keep_last": 3}
-    result = tasks.evaluate(params, {"mlflow_run_id": run_id, "final_step": 10, "dataset_fingerprint": "x"})
+    # Keep the task logger's records whatever logging setup earlier tests in this process left
+    # behind (Airflow's dictConfig can disable loggers created before it ran).
+    records: list[logging.LogRecord] = []
+    keep = logging.Handler(level=logging.WARNING)
+    keep.emit = records.append
+    task_log = logging.getLogger("training_airflow.tasks")
+    was_disabled, task_log.disabled = task_log.disabled, False
+    task_log.addHandler(keep)
+    try:
+        result = tasks.evaluate(params, {"mlflow_run_id": run_id, "final_step": 10, "dataset_fingerprint": "x"})
+    finally:
+        task_log.removeHandler(keep)
+        task_log.disabled = was_disabled
 
     reason = "step_00000010/model.safetensors does not match its manifest sha256; falling back to an older checkpoint"
     # A warning of the task's logger. Where it is rendered depends on whether Airflow's structlog
@@ -48,7 +60,7 @@ def test_evaluate_task_falls_back_and_says_so(dataset, tmp_path, capfd, caplog):
     rendered = any("warning" in line and f"checkpoint fallback: {reason}" in line and "training_airflow.tasks" in line
                    for line in (printed.out + printed.err).splitlines())
     recorded = any(r.levelno == logging.WARNING and r.name == "training_airflow.tasks"
-                   and f"checkpoint fallback: {reason}" in r.getMessage() for r in caplog.records)
+                   and f"checkpoint fallback: {reason}" in r.getMessage() for r in [*records, *caplog.records])
     assert rendered or recorded
     tags = MlflowClient().get_run(run_id).data.tags
     assert tags["checkpoint.fallback"] == reason and tags["checkpoint.evaluated"] == "step_00000005"
