@@ -59,13 +59,78 @@ class Preempted(Exception):
     pass
 
 
+class StepLog:
+    """Rank 0's per-step records, ``<output_dir>/steps.jsonl``, one JSON line per step across
+    every attempt of a run.
+
+    The file is opened once and flushed after every step: one write to the page cache, no
+    rename or fsync, so it costs microseconds and a killed attempt still leaves each step it
+    completed on disk. On CUDA a step's loss is read one step later, when the GPU has long
+    finished it, so that recording never makes the CPU wait for the GPU."""
+
+    NAME = "steps.jsonl"
+
+    def __init__(self, folder: Path, lag: int = 0) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self._file = open(folder / self.NAME, "a", encoding="utf-8")
+        self._lag = lag
+        self._pending: list[tuple[dict[str, Any], torch.Tensor]] = []
+
+    def add(self, record: dict[str, Any], loss: torch.Tensor) -> None:
+        self._pending.append((record, loss))
+        while len(self._pending) > self._lag:
+            self._write(*self._pending.pop(0))
+        self._file.flush()
+
+    def _write(self, record: dict[str, Any], loss: torch.Tensor) -> None:
+        self._file.write(json.dumps({**record, "loss": float(loss).hex()}) + "\n")
+
+    def close(self) -> None:
+        for pending in self._pending:
+            self._write(*pending)
+        self._pending = []
+        self._file.close()
+
+    @classmethod
+    def read(cls, folder: Path) -> list[dict[str, Any]]:
+        path = folder / cls.NAME
+        if not path.exists():
+            return []
+        records = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut short by a crash mid-write
+                continue
+        return records
+
+    @classmethod
+    def last(cls, folder: Path) -> dict[str, Any] | None:
+        records = cls.read(folder)
+        return records[-1] if records else None
+
+
 class _Preemption:
-    """SIGTERM sets a flag; all ranks agree on it at each step boundary (a MAX all-reduce of one
-    int), so every rank stops after the same step and they write one consistent checkpoint."""
+    """SIGTERM sets a flag; all ranks agree on it at step boundaries (a MAX all-reduce of one
+    int), so every rank stops after the same step and they write one consistent checkpoint.
+
+    Even a one-int all-reduce costs about a millisecond on a busy host (and makes every step wait
+    for the slowest rank), ~10% of a small model's step here. So the check runs every ``every``
+    steps, ``every`` chosen at each log window from the slowest rank's step time so that checks
+    are about ``INTERVAL_S`` apart (every step for slow steps, at most ``log_every`` apart); and
+    the all-reduce is launched asynchronously at one check and read at the next, behind compute.
+    A SIGTERM thus stops training at most two intervals plus one step after it arrives, far
+    inside the grace period. All ranks compute the same ``every`` from the same all-reduced step
+    time, so they always check at the same steps.
+    """
+
+    INTERVAL_S = 0.2
 
     def __init__(self, grace_s: float) -> None:
         self.requested = False
         self.grace_s = grace_s
+        self.every = 1  # until a step time is known
+        self._pending: tuple[torch.Tensor, Any] | None = None
         signal.signal(signal.SIGTERM, self._handler)
 
     def _handler(self, signum, frame) -> None:
@@ -80,10 +145,27 @@ class _Preemption:
         timer.daemon = True
         timer.start()
 
-    def agreed(self, device: torch.device) -> bool:
+    def pace(self, slowest_step_s: float, log_every: int) -> None:
+        """Space the checks by the step time (the same all-reduced value on every rank)."""
+        self.every = max(1, min(log_every, int(self.INTERVAL_S / max(slowest_step_s, 1e-9))))
+
+    def agreed(self, device: torch.device, step: int) -> bool:
+        """True on every rank, at the same check, once any rank got SIGTERM before the previous check."""
+        if step % self.every:
+            return False
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        previous, self._pending = self._pending, (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+        if previous is None:
+            return False
+        result, work = previous
+        work.wait()
+        return bool(result.item())
+
+    def drain(self) -> None:
+        """Complete the last in-flight agreement (before other collectives or teardown)."""
+        if self._pending is not None:
+            self._pending[1].wait()
+            self._pending = None
 
 
 def _lr_lambda(cfg: TrainConfig):
@@ -178,6 +260,7 @@ class Trainer:
             self.val = (torch.from_numpy(val.features), torch.from_numpy(val.labels) if val.labels is not None else None)
         self.out = Path(cfg.output_dir) if cfg.output_dir else None
         self.clock = metrics.RunClock(self.out) if info.is_main else None
+        self.step_log: StepLog | None = None
         self.skipped_steps = 0
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         kill = _fault_env("TRAINING_FAULT_KILL_AT_STEP")
@@ -207,13 +290,16 @@ class Trainer:
         system_metrics = metrics.start_system_metrics(self.logger.run_id) if info.is_main else None
 
         preemption = _Preemption(cfg.preempt_grace_s)
+        if info.is_main and self.out:
+            self.step_log = StepLog(self.out, lag=1 if info.device.type == "cuda" else 0)
         window = self._new_window()
         first_loss = last_loss = None
         saved_step = self.state.step if resumed_from else -1
         try:
             while self.state.step < cfg.steps:
                 self.phase = "preemption check"
-                if preemption.agreed(info.device):
+                if preemption.agreed(info.device, self.state.step):
+                    preemption.drain()
                     self.ckpt.save(self.state, final=True)
                     raise Preempted(self.state.step)
                 t_step = time.perf_counter()
@@ -237,6 +323,7 @@ class Trainer:
                     first_loss = last_loss if first_loss is None else first_loss
                     self.metrics_log.log_metrics(stats, step=self.state.step)
                     self._progress(stats)
+                    preemption.pace(stats["perf/step_s"], cfg.log_every)
                     # Windows are contiguous: logging and printing count in the next one.
                     window = self._new_window(t0=window["t_end"])
 
@@ -262,6 +349,7 @@ class Trainer:
                     saved_step = self.state.step
 
             self.phase = "final export"
+            preemption.drain()
             self.ckpt.wait()
             final_dir = Path(cfg.checkpoint_dir) / checkpoint.step_dir_name(self.state.step)
             if saved_step != self.state.step:
@@ -275,6 +363,8 @@ class Trainer:
             # Name the rank and what it was doing: a collective timeout otherwise says only "timed out".
             raise RuntimeError(f"rank {info.rank}/{info.world_size}: {self.phase} failed at step {self.state.step}: {e}") from e
         finally:
+            if self.step_log is not None:
+                self.step_log.close()
             if system_metrics is not None:
                 system_metrics.finish()
 
@@ -301,7 +391,7 @@ class Trainer:
             print(f"train: done at step {self.state.step}; final checkpoint {final_dir}", flush=True)
         return summary
 
-    def _train_step(self, window: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def _train_step(self, window: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         cfg, info = self.cfg, self.info
         self.phase = "data"
         t_data = time.perf_counter()
@@ -336,8 +426,9 @@ class Trainer:
                     p.grad.fill_(float("inf"))
                     break
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                   cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        # Without clipping the norm is only logged: measured at log steps (in _reduce_window).
+        grad_norm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                     if cfg.grad_clip > 0 else None)
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -368,7 +459,7 @@ class Trainer:
                 "comm_s": 0.0, "comm_bytes": 0, "collectives": 0, "exposed": [], "data_s": 0.0, "ckpt_s": 0.0,
                 "eval_s": 0.0}
 
-    def _reduce_window(self, window: dict[str, Any], grad_norm: torch.Tensor) -> dict[str, float]:
+    def _reduce_window(self, window: dict[str, Any], grad_norm: torch.Tensor | None) -> dict[str, float]:
         """Average loss and comm time over ranks; take the slowest rank's wall time (less the
         time spent evaluating, which is not training)."""
         info, cfg = self.info, self.cfg
@@ -382,6 +473,8 @@ class Trainer:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         loss_sum, comm_sum, data_sum, exposed_sum = (sums / info.world_size).tolist()
         step_s = float(slowest) / steps
+        if grad_norm is None:  # gradients of the last step are still in .grad until the next zero_grad
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         stats = {
             "train/loss": loss_sum / steps,
@@ -481,10 +574,8 @@ class Trainer:
         dist.all_gather(peaks, mine)
         if not info.is_main:
             return {}
-        records = []
-        steps_file = self.out / "steps.jsonl" if self.out else None
-        if steps_file is not None and steps_file.exists():
-            records = [json.loads(line) for line in steps_file.read_text().splitlines() if line.strip()]
+        if self.out:
+            records = StepLog.read(self.out)
         else:  # no output_dir: this attempt only
             records = [{"step": i, "step_s": s, "t": 0.0, "attempt": self.attempt} for i, s in enumerate(self.step_times)]
         life = metrics.lineage_summary(records, start=self.clock.start, end=time.time())
@@ -508,33 +599,24 @@ class Trainer:
 
     def _fault_accounting(self, resumed_from: Path | None) -> dict[str, float] | None:
         """After a restart: how many completed steps were lost and when the failure happened, from
-        the heartbeat rank 0 writes after every step. recovery_s is measured from that heartbeat
+        the last per-step record the previous attempt wrote. recovery_s is measured from that record
         (the last sign of life, at most one step before the failure) to the first completed step
         after the restart."""
         if not (self.info.is_main and self.out and resumed_from is not None):
             return None
-        hb = self.out / "heartbeat.json"
-        if not hb.exists():
-            return None
-        beat = json.loads(hb.read_text())
-        if beat["step"] <= self.state.step:
-            return None  # the previous attempt ended exactly at this checkpoint (e.g. preemption)
+        beat = StepLog.last(self.out)
+        if beat is None or beat["step"] <= self.state.step:
+            return None  # nothing recorded, or the previous attempt ended at this checkpoint (e.g. preemption)
         return {"fault/restarts": float(self.restarts), "fault/steps_lost": float(beat["step"] - self.state.step),
-                "_failed_at": beat["time"]}
+                "_failed_at": beat["t"]}
 
     def _record_step(self, loss: torch.Tensor, skipped: bool, step_s: float) -> None:
-        """Rank 0: heartbeat and the exact per-step loss (float.hex) for reproducibility checks;
-        the step's time, end time and attempt feed goodput (metrics.lineage_summary)."""
-        if not (self.info.is_main and self.out):
-            return
-        self.out.mkdir(parents=True, exist_ok=True)
-        with open(self.out / "steps.jsonl", "a") as f:
-            f.write(json.dumps({"step": self.state.step, "loss": float(loss).hex(), "skipped": skipped,
-                                "restart": self.restarts, "step_s": step_s, "t": time.time(),
-                                "attempt": self.attempt}) + "\n")
-        tmp = self.out / "heartbeat.json.tmp"
-        tmp.write_text(json.dumps({"step": self.state.step, "time": time.time()}))
-        os.replace(tmp, self.out / "heartbeat.json")
+        """Rank 0: the exact per-step loss (float.hex) for reproducibility checks; the step's time,
+        end time and attempt feed goodput (metrics.lineage_summary); the last record is the
+        heartbeat fault accounting reads after a restart."""
+        if self.step_log is not None:
+            self.step_log.add({"step": self.state.step, "skipped": skipped, "restart": self.restarts,
+                               "step_s": step_s, "t": time.time(), "attempt": self.attempt}, loss)
 
     def _maybe_inject_kill(self) -> None:
         if self.kill_at and self.restarts == 0 and self.kill_at == (self.state.step, self.info.rank):

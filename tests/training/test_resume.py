@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import run_torchrun
+from training.train import StepLog
 
 STEPS, EVERY = 30, 10
 
@@ -81,10 +82,9 @@ def test_sigterm_checkpoints_exits_75_and_a_retry_resumes_bit_identical(dataset,
     base_root, _ = baselines[("ddp", "fp32")]
     sets = _sets(dataset, tmp_path, "ddp", "fp32", steps=STEPS)
     proc = run_torchrun(2, sets, popen=True)
-    heartbeat = tmp_path / "out" / "heartbeat.json"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        if heartbeat.exists() and json.loads(heartbeat.read_text())["step"] >= 12:
+        if StepLog.last(tmp_path / "out") and StepLog.last(tmp_path / "out")["step"] >= 12:
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # what a preempting scheduler does to the launcher
@@ -166,5 +166,6 @@ def test_a_hung_rank_times_out_and_the_error_names_rank_and_operation(dataset, t
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "rank 1 hangs after step 3" in out
-    # Rank 0 waits in the step-boundary agreement of step 4 until the 5 s collective timeout.
-    assert "RuntimeError: rank 0/2: preemption check failed at step 3:" in out, out[-4000:]
+    # Rank 0 waits in step 4's gradient all-reduce (inside backward) until the 5 s collective timeout.
+    assert "RuntimeError: rank 0/2: forward/backward failed at step 3:" in out, out[-4000:]
+    assert "timeout" in out.split("rank 0/2: forward/backward failed at step 3:")[1][:400]
