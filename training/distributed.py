@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,8 @@ def _free_port() -> int:
 
 
 class CommTimer:
-    """Wall time during which at least one gradient collective was in flight.
+    """Wall time during which at least one gradient (DDP) or parameter/gradient (FSDP) collective
+    was in flight.
 
     How it is measured: the DDP comm hook stamps ``perf_counter()`` when DDP hands a bucket to
     the hook (the all-reduce is launched right then) and again in the future's completion
@@ -87,15 +89,30 @@ class CommTimer:
     from the last launch to the return of ``backward()`` is exactly the communication that was not
     hidden behind compute. On CUDA the CPU clock says nothing about the GPU, so the same two
     moments are CUDA events on the compute stream, resolved when the log window closes.
+
+    FSDP2 (CPU/gloo): each unit's all-gather (forward, and again in backward for resharded units)
+    and reduce-scatter go through ``TimedAllGather`` / ``TimedReduceScatter``, FSDP2's public
+    custom-collective hooks. On gloo FSDP2 issues them synchronously from the training thread, so
+    each one's [call, return] is both its duration and time the step was blocked: all of it is
+    exposed (``blocked_s``). On CUDA FSDP2 runs them on its own streams, which the CPU clock can't
+    time; there no FSDP comm figures are logged rather than wrong ones.
+
+    Bytes: the collective's full buffer (the bucket for all-reduce, the unsharded output of an
+    all-gather, the unsharded input of a reduce-scatter). ``bus_bytes`` weights them as
+    nccl-tests' bus bandwidth does: 2(n-1)/n for all-reduce, (n-1)/n for all-gather and
+    reduce-scatter.
     """
 
     def __init__(self, device: torch.device | None = None) -> None:
         self._lock = threading.Lock()
         self._intervals: list[tuple[float, float]] = []
         self.bytes = 0
+        self.bus_bytes = 0.0
+        self.blocked_s = 0.0
         self.collectives = 0
         self.step_collectives = 0  # collectives of the step last popped
         self.cuda = device is not None and device.type == "cuda"
+        self.timed = True  # False where the strategy's collectives are not timed (FSDP on CUDA)
         self.last_launch: float | None = None
         self.last_launch_event = None  # CUDA only
         # Test-only fault injection: every collective completes d ms later (a slow network).
@@ -135,18 +152,23 @@ class CommTimer:
             return max(0.0, start.elapsed_time(end) / 1000)
         return measured
 
-    def record(self, start: float, end: float, nbytes: int) -> None:
+    def record(self, start: float, end: float, nbytes: int, bus_factor: float, blocking: bool = False) -> None:
         with self._lock:
             self._intervals.append((start, end))
             self.bytes += nbytes
+            self.bus_bytes += nbytes * bus_factor
             self.collectives += 1
+            if blocking:
+                self.blocked_s += end - start
 
-    def pop_step(self) -> tuple[float, int]:
-        """Seconds of in-flight communication and bytes reduced since the last call (the number of
-        collectives is in ``pop_collectives``)."""
+    def pop_step(self) -> "CommStep":
+        """Communication since the last call: seconds with a collective in flight, bytes, bus
+        bytes, collectives, and seconds the training thread was blocked in a synchronous one."""
         with self._lock:
             intervals, self._intervals = sorted(self._intervals), []
             nbytes, self.bytes = self.bytes, 0
+            bus, self.bus_bytes = self.bus_bytes, 0.0
+            blocked, self.blocked_s = self.blocked_s, 0.0
             self.step_collectives, self.collectives = self.collectives, 0
         total, cur_start, cur_end = 0.0, None, None
         for s, e in intervals:
@@ -158,7 +180,16 @@ class CommTimer:
                 cur_end = max(cur_end, e)
         if cur_end is not None:
             total += cur_end - cur_start
-        return total, nbytes
+        return CommStep(seconds=total, bytes=nbytes, bus_bytes=bus, collectives=self.step_collectives, blocked_s=blocked)
+
+
+@dataclass
+class CommStep:
+    seconds: float
+    bytes: int
+    bus_bytes: float
+    collectives: int
+    blocked_s: float
 
 
 def _timed(inner):
@@ -179,13 +210,48 @@ def _timed(inner):
 
             fut = fut.then(slow)
 
+        n = dist.get_world_size()
+
         def done(f):
-            timer.record(start, time.perf_counter(), nbytes)
+            timer.record(start, time.perf_counter(), nbytes, 2 * (n - 1) / n)
             return f.value()
 
         return fut.then(done)
 
     return hook
+
+
+def _fsdp_timed_comms(timer: CommTimer):
+    """FSDP2 all-gather / reduce-scatter objects that time each call (see CommTimer). They
+    subclass FSDP2's stock ones (which live in a private module; ``set_custom_all_gather`` and
+    ``set_custom_reduce_scatter`` are the public way in) and only add the clock around them."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    def timed(call, nbytes: int, group) -> Any:
+        start = time.perf_counter()
+        work = call()
+        n = group.size()
+        if work is None:  # synchronous: the training thread waited for all of it
+            if timer.delay_s:
+                time.sleep(timer.delay_s)  # test-only: a slower network
+            timer.record(start, time.perf_counter(), nbytes, (n - 1) / n, blocking=True)
+            return None
+        work.get_future().then(lambda f: timer.record(start, time.perf_counter(), nbytes, (n - 1) / n))
+        return work
+
+    class TimedAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            nbytes = output_tensor.numel() * output_tensor.element_size()
+            return timed(lambda: super(TimedAllGather, self).__call__(output_tensor, input_tensor, group, async_op),
+                         nbytes, group)
+
+    class TimedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            nbytes = input_tensor.numel() * input_tensor.element_size()
+            return timed(lambda: super(TimedReduceScatter, self).__call__(output_tensor, input_tensor, group, op, async_op),
+                         nbytes, group)
+
+    return TimedAllGather(), TimedReduceScatter()
 
 
 HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
@@ -221,9 +287,15 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16" else MixedPrecisionPolicy()
-        for unit in _shard_units(model):
+        units = [*_shard_units(model), model]
+        for unit in units:
             fully_shard(unit, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+        timer.timed = info.device.type == "cpu"  # see CommTimer: CUDA streams are not timed
+        if timer.timed:
+            all_gather, reduce_scatter = _fsdp_timed_comms(timer)
+            for unit in units:
+                unit.set_custom_all_gather(all_gather)
+                unit.set_custom_reduce_scatter(reduce_scatter)
         return model, timer
     raise ValueError(f"unknown strategy {cfg.strategy!r}")
 

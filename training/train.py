@@ -401,6 +401,7 @@ class Trainer:
         window["data_s"] += time.perf_counter() - t_data
 
         self.optimizer.zero_grad(set_to_none=True)
+        self.comm_timer.pop_step()  # collectives outside training steps (FSDP evaluation) don't count
         loss_sum = torch.zeros((), device=info.device)
         micro = cfg.batch_size // info.world_size // cfg.grad_accum
         for m in range(cfg.grad_accum):
@@ -436,10 +437,13 @@ class Trainer:
         self.skipped_steps += int(skipped)
         self.scheduler.step()
 
-        comm_s, comm_bytes = self.comm_timer.pop_step()
-        window["comm_s"] += comm_s
-        window["comm_bytes"] = comm_bytes
-        window["collectives"] = self.comm_timer.step_collectives
+        comm = self.comm_timer.pop_step()
+        if comm.blocked_s:  # synchronous collectives (FSDP on gloo): all of their time was exposed
+            window["exposed"].append(comm.blocked_s)
+        window["comm_s"] += comm.seconds
+        window["comm_bytes"] = comm.bytes
+        window["bus_bytes"] = comm.bus_bytes
+        window["collectives"] = comm.collectives
         window["loss"] += loss_sum
         window["steps"] += 1
         return loss_sum, grad_norm, skipped
@@ -456,7 +460,7 @@ class Trainer:
 
     def _new_window(self, t0: float | None = None) -> dict[str, Any]:
         return {"t0": time.perf_counter() if t0 is None else t0, "steps": 0, "loss": torch.zeros((), device=self.info.device),
-                "comm_s": 0.0, "comm_bytes": 0, "collectives": 0, "exposed": [], "data_s": 0.0, "ckpt_s": 0.0,
+                "comm_s": 0.0, "comm_bytes": 0, "bus_bytes": 0.0, "collectives": 0, "exposed": [], "data_s": 0.0, "ckpt_s": 0.0,
                 "eval_s": 0.0}
 
     def _reduce_window(self, window: dict[str, Any], grad_norm: torch.Tensor | None) -> dict[str, float]:
@@ -487,7 +491,7 @@ class Trainer:
         if self.kind == "tokens":
             stats["perf/tokens_per_s"] = cfg.batch_size * self.spec["seq_len"] / step_s
         stats["perf/mfu"] = self.flops_per_sample * stats["perf/samples_per_s"] / (self.peak_flops * info.world_size)
-        if cfg.strategy == "ddp":  # FSDP's all-gather / reduce-scatter are not timed by a DDP hook
+        if self.comm_timer.timed and window["collectives"]:  # see distributed.CommTimer
             comm_s = comm_sum / steps
             stats["comm/s_per_step"] = comm_s
             stats["comm/bytes_per_step"] = float(window["comm_bytes"])
@@ -495,10 +499,9 @@ class Trainer:
             stats["comm/exposed_s_per_step"] = exposed_sum / steps
             stats["comm/exposed_fraction"] = min(1.0, exposed_sum / steps / step_s)
             if info.world_size > 1 and comm_s > 0:
-                # Ring all-reduce bus bandwidth (as nccl-tests report it): each rank moves
-                # 2(n-1)/n of the buffer; GB/s = 1e9 bytes per second.
-                n = info.world_size
-                stats["comm/busbw_gbps"] = window["comm_bytes"] * 2 * (n - 1) / n / comm_s / 1e9
+                # Bus bandwidth as nccl-tests report it: each rank moves 2(n-1)/n of an all-reduce's
+                # buffer, (n-1)/n of an all-gather's or reduce-scatter's; GB/s = 1e9 bytes/s.
+                stats["comm/busbw_gbps"] = window["bus_bytes"] / comm_s / 1e9
         if self.scaler.is_enabled():
             stats["train/loss_scale"] = self.scaler.get_scale()
             stats["train/skipped_steps"] = float(self.skipped_steps)

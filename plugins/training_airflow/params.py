@@ -49,6 +49,17 @@ def training_params() -> dict[str, Param]:
                       description="Seed for weights, data order and every RNG; the same seed reproduces the run."),
         "checkpoint_every": Param(100, type="integer", minimum=0, title="Checkpoint every K steps",
                                   description="Periodic local checkpoints (0 = only the final one). A retried train task resumes from the latest."),
+        "eval_every": Param(50, type="integer", minimum=0, maximum=10_000_000, title="Evaluate every N steps",
+                            description="Score the validation split during training every N steps: eval/loss and "
+                                        "eval/accuracy curves in MLflow (0 = off; the evaluate task still scores the "
+                                        "final checkpoint)."),
+        "target_metric": Param("none", type="string", enum=["none", "eval/accuracy", "eval/loss"], title="Target metric",
+                               description="Time-to-train: log time_to_target_s and steps_to_target the first time "
+                                           "this metric reaches the target value (none = no target). Needs "
+                                           "eval_every > 0."),
+        "target_value": Param(None, type=["null", "number"], minimum=0, title="Target value",
+                              description="Accuracy at least this (0-1], or loss at most this. Required with a "
+                                          "target metric."),
         "store_uri": Param(
             settings.default_store_uri(), type="string", pattern=r"^(file|s3)://.+", title="Checkpoint store",
             description="Where the final checkpoint is committed: file:///folder or s3://bucket/prefix. "

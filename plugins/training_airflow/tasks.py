@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 # Params that become TrainConfig fields verbatim.
 TRAIN_FIELDS = ("model", "strategy", "precision", "comm_hook", "grad_accum", "steps", "batch_size", "lr", "seed",
-                "checkpoint_every")
+                "checkpoint_every", "eval_every", "target_metric")
 
 
 def train_config(params: dict[str, Any], *, checkpoint_dir: str = "-", output_dir: str = "") -> Any:
@@ -31,7 +31,13 @@ def train_config(params: dict[str, Any], *, checkpoint_dir: str = "-", output_di
     from training.config import ConfigError, TrainConfig
 
     try:
-        cfg = TrainConfig(**{k: params[k] for k in TRAIN_FIELDS}, dataset_uri=settings.resolve_path(params["dataset_uri"]),
+        values = {k: params[k] for k in TRAIN_FIELDS}
+        values["target_metric"] = "" if values["target_metric"] == "none" else values["target_metric"]
+        if values["target_metric"] and params.get("target_value") is None:
+            raise ConfigError("target_value", f"is empty but target_metric is {values['target_metric']}",
+                              "give the value to reach, e.g. 0.8 for eval/accuracy, or set target_metric to none")
+        cfg = TrainConfig(**values, target_value=float(params.get("target_value") or 0.0),
+                          dataset_uri=settings.resolve_path(params["dataset_uri"]),
                           checkpoint_dir=checkpoint_dir, output_dir=output_dir)
         cfg.check_world_size(int(params["world_size"]))
         if Path(cfg.dataset_uri, "dataset.json").is_file():  # a missing dataset is the data gate's to report

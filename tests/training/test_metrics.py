@@ -4,6 +4,8 @@ Real torchrun ranks over gloo on loopback and a real MLflow store (the session's
 - injected delay: each gradient all-reduce completes d ms later (TRAINING_FAULT_COMM_DELAY_MS, a
   test-only fault); comm/s_per_step rises by d x collectives per step, and exposed time rises;
 - bytes: comm/bytes_per_step is the gradient bytes of the saved model exactly, half with fp16;
+- FSDP2: all-gathers and reduce-scatters are counted (3 per unit per step), their bytes exact,
+  all of their time exposed on gloo, and an injected delay per collective shows up in full;
 - throughput: reported samples/s against samples / wall time between progress lines, timed here;
 - MFU: the logged value is FLOPs per sample (6 x parameters of the saved MLP) x samples/s / peak;
 - evaluation: eval/accuracy at the last step equals an independent scoring of the final model;
@@ -136,6 +138,41 @@ def test_mfu_is_model_flops_over_the_logged_peak(runs):
     for mfu, thr in zip(_history(run.info.run_id, "perf/mfu"), _history(run.info.run_id, "perf/samples_per_s")):
         assert mfu.value == pytest.approx(per_sample * thr.value / (2 * peak), rel=1e-9)
         assert 0 < mfu.value < 1
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(dataset, tmp_path_factory):
+    """The same MLP under FSDP2: plain, and every all-gather / reduce-scatter delayed."""
+    delay_ms = 20
+    return {
+        "base": _timed_run(dataset, tmp_path_factory.mktemp("fsdp-base"), strategy="fsdp", eval_every=30),
+        "delay": _timed_run(dataset, tmp_path_factory.mktemp("fsdp-delay"), strategy="fsdp",
+                            env={"TRAINING_FAULT_COMM_DELAY_MS": str(delay_ms)}),
+        "delay_s": delay_ms / 1000,
+    }
+
+
+@pytest.mark.slow
+def test_fsdp_collectives_are_counted_timed_and_exposed(fsdp_runs):
+    """FSDP2 (reshard after forward, its default) all-gathers each unit's parameters in forward and
+    again in backward, and reduce-scatters its gradients: 3 collectives per unit, 3x the parameter
+    bytes per step. The MLP's three Linear layers are the units (the root holds no parameters)."""
+    base, slow, d = fsdp_runs["base"]["run_id"], fsdp_runs["delay"]["run_id"], fsdp_runs["delay_s"]
+    numel, units = _grad_numel(fsdp_runs["base"]["root"]), 3
+    # Evaluation (every 30 steps in the base run) all-gathers too; it must not leak into step figures.
+    assert {m.value for m in _history(base, "comm/collectives_per_step")} == {3.0 * units}
+    assert {m.value for m in _history(base, "comm/bytes_per_step")} == {3 * 4.0 * numel}
+    for bw, comm in zip(_history(base, "comm/busbw_gbps"), _history(base, "comm/s_per_step")):
+        assert bw.value == pytest.approx(3 * 4.0 * numel * (2 - 1) / 2 / comm.value / 1e9, rel=1e-6)
+    # On gloo FSDP2 waits for each collective in the training thread: all of it is exposed.
+    for exposed, comm in zip(_history(base, "comm/exposed_s_per_step"), _history(base, "comm/s_per_step")):
+        assert exposed.value == pytest.approx(comm.value, rel=0.01)
+    rise = _median_after_first(slow, "comm/s_per_step") - _median_after_first(base, "comm/s_per_step")
+    assert rise == pytest.approx(d * 3 * units, rel=0.15), (rise, d)
+    exposed_rise = _median_after_first(slow, "comm/exposed_s_per_step") - _median_after_first(base, "comm/exposed_s_per_step")
+    assert exposed_rise == pytest.approx(d * 3 * units, rel=0.15), exposed_rise
+    assert _median_after_first(slow, "comm/exposed_fraction") > _median_after_first(base, "comm/exposed_fraction") + 0.1
+    assert "% exposed" in fsdp_runs["base"]["stdout"]
 
 
 @pytest.mark.slow

@@ -1,0 +1,40 @@
+"""The trigger form's values become the trainer's config: evaluation during training and the
+time-to-train target, with the cross-field rules the form cannot express refused by name."""
+
+from __future__ import annotations
+
+import pytest
+from airflow.exceptions import AirflowFailException
+
+from training_airflow.params import training_params
+from training_airflow.tasks import train_config
+
+
+def _form(**changes):
+    values = {name: p.value for name, p in training_params().items()}
+    return {**values, **changes}
+
+
+def test_defaults_evaluate_during_training_without_a_target():
+    cfg = train_config(_form())
+    assert cfg.eval_every == 50
+    assert cfg.target_metric == ""
+
+
+def test_a_target_reaches_the_trainer():
+    cfg = train_config(_form(eval_every=20, target_metric="eval/accuracy", target_value=0.8))
+    assert (cfg.eval_every, cfg.target_metric, cfg.target_value) == (20, "eval/accuracy", 0.8)
+    cfg = train_config(_form(target_metric="eval/loss", target_value=0.5))
+    assert (cfg.target_metric, cfg.target_value) == ("eval/loss", 0.5)
+
+
+@pytest.mark.parametrize("changes, field, fix", [
+    ({"target_metric": "eval/accuracy", "target_value": None}, "target_value", "give the value to reach"),
+    ({"target_metric": "eval/accuracy", "target_value": 80}, "target_value", ""),
+    ({"target_metric": "eval/accuracy", "target_value": 0.8, "eval_every": 0}, "target_metric", "set eval_every"),
+])
+def test_inconsistent_target_is_refused_naming_the_field(changes, field, fix):
+    with pytest.raises(AirflowFailException) as e:
+        train_config(_form(**changes))
+    assert f"config field '{field}'" in str(e.value)
+    assert fix in str(e.value)
