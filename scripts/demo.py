@@ -50,7 +50,9 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "training", "make-data", "--out", str(dataset)], check=True)
 
     print("==> preparing the Airflow metadata DB (SQLite, project-local)")
-    subprocess.run(["airflow", "db", "migrate"], check=True, stdout=subprocess.DEVNULL)
+    # The venv's own CLI: `make demo` does not put .venv/bin on PATH.
+    subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], check=True,
+                   stdout=subprocess.DEVNULL)
 
     print("==> running one DAG run of distributed_training (tasks stream their logs below)")
     dag = _load_dag("distributed_training")
