@@ -493,12 +493,16 @@ class Trainer:
         stats["perf/mfu"] = self.flops_per_sample * stats["perf/samples_per_s"] / (self.peak_flops * info.world_size)
         if self.comm_timer.timed and window["collectives"]:  # see distributed.CommTimer
             comm_s = comm_sum / steps
-            stats["comm/s_per_step"] = comm_s
             stats["comm/bytes_per_step"] = float(window["comm_bytes"])
             stats["comm/collectives_per_step"] = float(window["collectives"])
             stats["comm/exposed_s_per_step"] = exposed_sum / steps
             stats["comm/exposed_fraction"] = min(1.0, exposed_sum / steps / step_s)
-            if info.world_size > 1 and comm_s > 0:
+            # On CUDA a future's callback runs once the collective is *queued* (on a stream that
+            # waits for it), so CPU clocks there say nothing about its duration: no s_per_step or
+            # bus bandwidth rather than a wrong one (exposed time above uses CUDA events).
+            if not self.comm_timer.cuda:
+                stats["comm/s_per_step"] = comm_s
+            if "comm/s_per_step" in stats and info.world_size > 1 and comm_s > 0:
                 # Bus bandwidth as nccl-tests report it: each rank moves 2(n-1)/n of an all-reduce's
                 # buffer, (n-1)/n of an all-gather's or reduce-scatter's; GB/s = 1e9 bytes/s.
                 stats["comm/busbw_gbps"] = window["bus_bytes"] / comm_s / 1e9
@@ -511,8 +515,10 @@ class Trainer:
         if not self.info.is_main:
             return
         eta = (self.cfg.steps - self.state.step) * stats["perf/step_s"]
-        comm = (f" | comm {1000 * stats['comm/s_per_step']:.2f} ms/step, {100 * stats['comm/exposed_fraction']:.1f}% exposed"
-                if "comm/s_per_step" in stats else "")
+        comm = ""
+        if "comm/exposed_fraction" in stats:
+            took = f"{1000 * stats['comm/s_per_step']:.2f} ms/step, " if "comm/s_per_step" in stats else ""
+            comm = f" | comm {took}{100 * stats['comm/exposed_fraction']:.1f}% exposed"
         scale = f" | scale {stats['train/loss_scale']:.0f} skipped {self.skipped_steps}" if "train/loss_scale" in stats else ""
         print(f"step {self.state.step}/{self.cfg.steps} | loss {stats['train/loss']:.4f} | "
               f"{stats['perf/samples_per_s']:.0f} samples/s{comm}{scale} | eta {eta:.0f}s", flush=True)
