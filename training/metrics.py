@@ -240,7 +240,26 @@ def start_system_metrics(run_id: str | None):
 
         monitor = SystemMetricsMonitor(run_id, resume_logging=True)
         monitor.start()
-        return monitor
+        return _SystemMetrics(monitor)
     except Exception as e:  # metrics about the machine must never stop training
         print(f"system metrics: not logged ({e})", flush=True)
         return None
+
+
+class _SystemMetrics:
+    """MLflow's monitor publishes only when a sampling interval completes, so an attempt shorter
+    than the interval (a quick retry, a restart near the end) would record nothing. ``finish``
+    stops it and then publishes one last sample of the end of training."""
+
+    def __init__(self, monitor) -> None:
+        self.monitor = monitor
+
+    def finish(self) -> None:
+        m = self.monitor
+        m.finish()  # joins the sampling thread and flushes what it queued
+        try:
+            m.collect_metrics()
+            m.publish_metrics(m.aggregate_metrics())
+            m.mlflow_logger.flush()
+        except Exception as e:  # metrics about the machine must never stop training
+            print(f"system metrics: last sample not logged ({e})", flush=True)
