@@ -209,6 +209,16 @@ def scaling_points(summaries: list[RunSummary]) -> dict[str, list[dict[str, floa
     return out
 
 
+def _save(fig, path: Path) -> bool:
+    """Lay out, write and release one figure; plot functions return this (True: a file was written)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
 def _plot_scaling(summaries: list[RunSummary], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
@@ -238,10 +248,7 @@ def _plot_scaling(summaries: list[RunSummary], path: Path) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     ax1.set_ylim(bottom=0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
+    return _save(fig, path)
 
 
 def _plot_step_time(summaries: list[RunSummary], keys: list[str], path: Path) -> bool:
@@ -276,10 +283,7 @@ def _plot_step_time(summaries: list[RunSummary], keys: list[str], path: Path) ->
     ax.set(title=title, ylabel="ms per optimizer step (median)")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
+    return _save(fig, path)
 
 
 def _plot_loss(summaries: list[RunSummary], keys: list[str], path: Path) -> bool:
@@ -295,10 +299,7 @@ def _plot_loss(summaries: list[RunSummary], keys: list[str], path: Path) -> bool
     ax.set(title="Training loss", xlabel="optimizer step", ylabel="train/loss (cross-entropy, mean over interval)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
+    return _save(fig, path)
 
 
 def _plot_time_to_target(summaries: list[RunSummary], keys: list[str], path: Path) -> bool:
@@ -312,10 +313,7 @@ def _plot_time_to_target(summaries: list[RunSummary], keys: list[str], path: Pat
     ax.set_xticks(range(len(runs)), [_label(s, keys) for s in runs], rotation=20, ha="right", fontsize=8)
     ax.set(title="Time to reach the target metric", ylabel="seconds (wall clock)")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
+    return _save(fig, path)
 
 
 # ---------------------------------------------------------------------------------- report

@@ -110,7 +110,6 @@ class CommTimer:
         self.bus_bytes = 0.0
         self.blocked_s = 0.0
         self.collectives = 0
-        self.step_collectives = 0  # collectives of the step last popped
         self.cuda = device is not None and device.type == "cuda"
         self.timed = True  # False where the strategy's collectives are not timed (FSDP on CUDA)
         self.last_launch: float | None = None
@@ -169,7 +168,7 @@ class CommTimer:
             nbytes, self.bytes = self.bytes, 0
             bus, self.bus_bytes = self.bus_bytes, 0.0
             blocked, self.blocked_s = self.blocked_s, 0.0
-            self.step_collectives, self.collectives = self.collectives, 0
+            collectives, self.collectives = self.collectives, 0
         total, cur_start, cur_end = 0.0, None, None
         for s, e in intervals:
             if cur_end is None or s > cur_end:
@@ -180,7 +179,7 @@ class CommTimer:
                 cur_end = max(cur_end, e)
         if cur_end is not None:
             total += cur_end - cur_start
-        return CommStep(seconds=total, bytes=nbytes, bus_bytes=bus, collectives=self.step_collectives, blocked_s=blocked)
+        return CommStep(seconds=total, bytes=nbytes, bus_bytes=bus, collectives=collectives, blocked_s=blocked)
 
 
 @dataclass
