@@ -55,6 +55,19 @@ def wait_for_port(port: int, timeout: float = 30.0) -> None:
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def background_load():
+    """TEST_BACKGROUND_LOAD=N: N CPU-bound processes run beside the whole session (tests/load.py)."""
+    n = int(os.environ.get("TEST_BACKGROUND_LOAD") or 0)
+    if not n:
+        yield None
+        return
+    from tests.load import BackgroundLoad
+
+    with BackgroundLoad(n) as load:
+        yield load
+
+
 @pytest.fixture(scope="session")
 def tmp_root() -> Path:
     return _TMP

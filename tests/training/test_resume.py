@@ -81,7 +81,10 @@ def test_sigkill_between_checkpoints_resumes_bit_identical(dataset, tmp_path, ba
 def test_sigterm_checkpoints_exits_75_and_a_retry_resumes_bit_identical(dataset, tmp_path, baselines):
     base_root, _ = baselines[("ddp", "fp32")]
     sets = _sets(dataset, tmp_path, "ddp", "fp32", steps=STEPS)
-    proc = run_torchrun(2, sets, popen=True)
+    # Each step takes >= 0.1 s (a delayed all-reduce, which changes no number), so once step 12 is
+    # recorded the ranks are more than a second from the end: the SIGTERM lands mid-run even when
+    # this process is slow to see step 12 on a busy machine. Without it the 30 steps take ~0.2 s.
+    proc = run_torchrun(2, sets, popen=True, env={"TRAINING_FAULT_COMM_DELAY_MS": "100"})
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         if StepLog.last(tmp_path / "out") and StepLog.last(tmp_path / "out")["step"] >= 12:
