@@ -132,7 +132,7 @@ def main(a) -> int:
 
     base = {"dataset_uri": a.dataset_uri, "model": a.model, "steps": a.steps, "batch_size": a.batch_size,
             "log_every": a.log_every, "checkpoint_every": 0, "eval_every": a.eval_every}
-    if a.target_metric:
+    if a.target_metric != "none":
         base.update(target_metric=a.target_metric, target_value=a.target_value)
     TrainConfig(**base)  # refuse a bad base config before anything starts
     points, skipped = grid(a.worlds, a.strategies, a.precisions, a.comm_hooks, base=base,

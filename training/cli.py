@@ -13,7 +13,8 @@ import argparse
 import json
 import sys
 
-from training.config import FIELD_HELP, ConfigError
+from training.config import ConfigError, TrainConfig, choices
+from training.fields import help_lines
 
 EXIT_BAD_INPUT = 2
 
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--docs-dir", default=None, help="also build Great Expectations Data Docs (HTML) in this folder")
     s.set_defaults(fn=_cmd_validate)
 
-    fields = "\n".join(f"  {k:22s} {v}" for k, v in FIELD_HELP.items())
+    fields = help_lines(TrainConfig)
     s = sub.add_parser("train", help="train (run under torchrun for several ranks)",
                        description=f"Config fields (--set key=value):\n{fields}",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,17 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the comparison report (report.md/html, plots) as artifacts under comparison/.")
     s.add_argument("--dataset-uri", required=True, help="dataset folder (its kind must match --model)")
     s.add_argument("--experiment", default="training_benchmark", help="MLflow experiment (default training_benchmark)")
-    s.add_argument("--model", default="mlp", choices=["mlp", "cnn", "transformer"], help="model family")
+    s.add_argument("--model", default="mlp", choices=choices(TrainConfig, "model"), help="model family")
     s.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="world sizes (ranks on this machine)")
-    s.add_argument("--strategies", nargs="+", default=["ddp"], choices=["ddp", "fsdp"])
-    s.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp16"])
-    s.add_argument("--comm-hooks", nargs="+", default=["none"], choices=["none", "fp16", "bf16"])
+    s.add_argument("--strategies", nargs="+", default=["ddp"], choices=choices(TrainConfig, "strategy"))
+    s.add_argument("--precisions", nargs="+", default=["fp32"], choices=choices(TrainConfig, "precision"))
+    s.add_argument("--comm-hooks", nargs="+", default=["none"], choices=choices(TrainConfig, "comm_hook"))
     s.add_argument("--steps", type=int, default=100, help="optimizer steps per point")
     s.add_argument("--batch-size", type=int, default=64, help="global batch size")
     s.add_argument("--log-every", type=int, default=10, help="log interval (steps)")
     s.add_argument("--eval-every", type=int, default=0, help="evaluation interval (0 = off)")
-    s.add_argument("--target-metric", default="", help="eval/accuracy or eval/loss (needs --eval-every)")
-    s.add_argument("--target-value", type=float, default=0.0, help="value the target metric must reach")
+    s.add_argument("--target-metric", default="none", choices=choices(TrainConfig, "target_metric"),
+                   help="eval/accuracy or eval/loss (needs --eval-every)")
+    s.add_argument("--target-value", type=float, default=None, help="value the target metric must reach")
     s.add_argument("--parent-run-id", help="log children under this existing run (default: a new parent run)")
     s.add_argument("--run-name", help="name of a new parent run")
     s.add_argument("--out", help="folder for per-point logs and the report (default: a temporary folder)")

@@ -568,7 +568,7 @@ class Trainer:
             return
         self.metrics_log.log_metrics(res, step=step)
         print(f"eval step {step}: loss {res['eval/loss']:.4f} | accuracy {res['eval/accuracy']:.4f}", flush=True)
-        if cfg.target_metric and self.clock.target() is None and metrics.target_reached(
+        if cfg.has_target and self.clock.target() is None and metrics.target_reached(
                 cfg.target_metric, res[cfg.target_metric], cfg.target_value):
             hit = self.clock.reach_target(step, time.time())
             self.metrics_log.log_metrics(hit, step=step)

@@ -32,11 +32,7 @@ def train_config(params: dict[str, Any], *, checkpoint_dir: str = "-", output_di
 
     try:
         values = {k: params[k] for k in TRAIN_FIELDS}
-        values["target_metric"] = "" if values["target_metric"] == "none" else values["target_metric"]
-        if values["target_metric"] and params.get("target_value") is None:
-            raise ConfigError("target_value", f"is empty but target_metric is {values['target_metric']}",
-                              "give the value to reach, e.g. 0.8 for eval/accuracy, or set target_metric to none")
-        cfg = TrainConfig(**values, target_value=float(params.get("target_value") or 0.0),
+        cfg = TrainConfig(**values, target_value=params.get("target_value"),
                           dataset_uri=settings.resolve_path(params["dataset_uri"]),
                           checkpoint_dir=checkpoint_dir, output_dir=output_dir)
         cfg.check_world_size(int(params["world_size"]))

@@ -18,7 +18,7 @@ def _form(**changes):
 def test_defaults_evaluate_during_training_without_a_target():
     cfg = train_config(_form())
     assert cfg.eval_every == 50
-    assert cfg.target_metric == ""
+    assert cfg.target_metric == "none" and not cfg.has_target
 
 
 def test_a_target_reaches_the_trainer():
