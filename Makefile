@@ -18,7 +18,7 @@ export GX_ANALYTICS_ENABLED := False
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := true
 
-.PHONY: install demo test airflow-up airflow-down mlflow-ui compare screenshots chromium clean help
+.PHONY: install demo test airflow-up airflow-down mlflow-ui compare screenshots chromium clean help docs
 
 help:
 	@echo "make demo         install (first time), make data, run one full DAG run, print where to look"
@@ -79,3 +79,7 @@ mlflow-ui: $(STAMP)
 
 clean:
 	rm -rf var .airflow
+
+# The configuration tables of README.md and docs/configuration.md, from the declared fields.
+docs: $(STAMP)
+	$(BIN)/python scripts/config_docs.py

@@ -144,7 +144,7 @@ def test_training_image_holds_the_training_package_only():
     user = [arg for op, arg in ins if op == "USER"]
     assert user and not user[-1].startswith(("0", "root"))
     assert ins[-2] == ("ENTRYPOINT", '["python", "-m", "training"]')
-    from training_airflow import kubernetes
+    from training_airflow.backends.kubernetes import spec as kubernetes
 
     assert user[-1] == f"{kubernetes.RUN_UID}:{kubernetes.RUN_UID}", "pods run as the image's user"
     pins = re.findall(r"^([A-Za-z0-9_.\-]+)", (ROOT / "requirements-training.txt").read_text(), re.M)
@@ -183,10 +183,11 @@ def test_example_manifests_pass_the_strict_schemas(version):
 
 
 def test_example_manifests_match_the_param_defaults():
-    from training_airflow import kubernetes
-    from training_airflow.params import kubernetes_params
+    from training.fields import specs
+    from training_airflow.backends.kubernetes import spec as kubernetes
+    from training_airflow.backends.kubernetes.params import KubernetesParams
 
-    defaults = {k: p.value for k, p in kubernetes_params().items()}
+    defaults = {name: s.default for name, s in specs(KubernetesParams).items()}
     by_kind: dict[str, list[dict]] = {}
     for doc in _manifests():
         by_kind.setdefault(doc["kind"], []).append(doc)

@@ -34,6 +34,9 @@ _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 class TrainConfig:
     """Everything `python -m training train` needs."""
 
+    dataset_uri: str = knob(
+        "", "dataset folder: train/ and validation/ Parquet splits and dataset.json (python -m training make-data "
+        "writes one); on the Airflow side relative to the project folder", title="Dataset")
     model: Literal["mlp", "cnn", "transformer"] = knob(
         "mlp", "model family, matching the dataset kind: mlp (tabular, make-data --kind teacher), cnn (8x8 images, "
         "--kind digits), transformer (tokens, --kind markov)", title="Model", tag=True)
@@ -46,9 +49,6 @@ class TrainConfig:
     comm_hook: Literal["none", "fp16", "bf16"] = knob(
         "none", "DDP gradient compression before the all-reduce: none, fp16, bf16 (bf16 needs GPUs)",
         title="Gradient compression (DDP)")
-    dataset_uri: str = knob(
-        "", "dataset folder: train/ and validation/ Parquet splits and dataset.json (python -m training make-data "
-        "writes one); on the Airflow side relative to the project folder", title="Dataset")
     steps: int = knob(300, "optimizer steps in total", title="Steps", minimum=1, maximum=10_000_000)
     batch_size: int = knob(
         64, "global batch: samples per optimizer step over all ranks and micro-batches; divisible by world size x "

@@ -41,16 +41,19 @@ class ConfigError(ValueError):
 
 def knob(default: Any, help: str, *, title: str | None = None, minimum: float | None = None,
          maximum: float | None = None, exclusive_minimum: float | None = None, pattern: str | None = None,
-         section: str | None = None, form: bool = True, tag: bool = False) -> Any:
+         section: str | None = None, form: bool = True, tag: bool = False, schema: dict[str, Any] | None = None) -> Any:
     """Declare one configuration field.
 
     ``help``: one line on what it does (the CLI, the form's description and the docs show it).
     ``section``: the trigger form section it goes into (None: the main section).
     ``form``: False for fields the pipeline sets itself (paths of one run), never asked of a user.
     ``tag``: also an MLflow run tag on every run, so MLflow's compare view lines runs up by it.
+    ``schema``: further JSON-schema keywords for the form only (``maxLength``, ``propertyNames``...);
+    the config's own ``check_*`` rules enforce the same where it matters.
     """
     meta = {"help": help, "title": title, "minimum": minimum, "maximum": maximum,
-            "exclusive_minimum": exclusive_minimum, "pattern": pattern, "section": section, "form": form, "tag": tag}
+            "exclusive_minimum": exclusive_minimum, "pattern": pattern, "section": section, "form": form, "tag": tag,
+            "schema": schema or {}}
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -74,6 +77,7 @@ class Spec:
     section: str | None
     form: bool
     tag: bool
+    schema: dict[str, Any]
 
 
 _KINDS = {int: "integer", float: "number", bool: "boolean", str: "string"}
@@ -112,7 +116,8 @@ def specs(cls: type) -> dict[str, Spec]:
         out[f.name] = Spec(name=f.name, kind=kind, optional=optional, choices=choices, default=default,
                            help=m["help"], title=m["title"] or f.name.replace("_", " ").capitalize(),
                            minimum=m["minimum"], maximum=m["maximum"], exclusive_minimum=m["exclusive_minimum"],
-                           pattern=m["pattern"], section=m["section"], form=m["form"], tag=m["tag"])
+                           pattern=m["pattern"], section=m["section"], form=m["form"], tag=m["tag"],
+                           schema=m["schema"])
     return out
 
 
@@ -259,7 +264,7 @@ def json_schema(spec: Spec) -> dict[str, Any]:
                        ("section", spec.section)):
         if value is not None:
             schema[key] = value
-    return schema
+    return {**schema, **spec.schema}
 
 
 def _allowed(spec: Spec) -> str:

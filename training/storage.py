@@ -429,13 +429,15 @@ def _candidates(store, prefix: str, pointer: dict[str, Any] | None) -> Iterator[
 
 
 def fetch_checkpoint(store_uri: str, *, experiment: str, run_id: str, dest: str | Path,
-                     env: Mapping[str, str] | None = None) -> tuple[Path, dict[str, Any], list[str]]:
+                     env: Mapping[str, str] | None = None, step_dir: str | None = None,
+                     only: tuple[str, ...] | None = None) -> tuple[Path, dict[str, Any], list[str]]:
     """Download the newest verified checkpoint of a run into ``dest``.
 
     Returns (local folder, manifest, warnings). Every file's size and sha256 is checked against
     the manifest; a checkpoint without a manifest, with a missing, truncated or altered object, or
     whose manifest is not the one ``latest`` committed, is skipped with a warning (logged, and
-    returned for the caller to record) and the next older one is tried.
+    returned for the caller to record) and the next older one is tried. ``step_dir``: that
+    checkpoint only (no fallback); ``only``: download and verify just these files of it.
     """
     store = open_store(store_uri, env)
     prefix = run_prefix(experiment, run_id)
@@ -443,7 +445,8 @@ def fetch_checkpoint(store_uri: str, *, experiment: str, run_id: str, dest: str 
     pointer = _read_pointer(store, prefix)
     if pointer is None and store.get_bytes(f"{prefix}/{LATEST}") is not None:
         warnings.append("`latest` is unreadable, ignored; trying every checkpoint, newest first")
-    for step_dir in _candidates(store, prefix, pointer):
+    candidates = [check_path_part("step_dir", step_dir)] if step_dir else _candidates(store, prefix, pointer)
+    for step_dir in candidates:
         raw = store.get_bytes(f"{prefix}/{step_dir}/{MANIFEST}")
         if raw is None:
             warnings.append(f"{step_dir}: no manifest (incomplete upload), ignored")
@@ -462,6 +465,8 @@ def fetch_checkpoint(store_uri: str, *, experiment: str, run_id: str, dest: str 
         local.mkdir(parents=True, exist_ok=True)
         try:
             for f in files:
+                if only is not None and f["path"] not in only:
+                    continue
                 target = local / f["path"]
                 target.parent.mkdir(parents=True, exist_ok=True)
                 store.get_file(f"{prefix}/{step_dir}/{f['path']}", target)

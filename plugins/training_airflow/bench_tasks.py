@@ -10,36 +10,37 @@ from typing import Any
 
 from airflow.sdk import Param
 
+from training.config import TrainConfig, choices
+from training.fields import specs
 from training_airflow import settings
-from training_airflow.params import NAME_PATTERN
+from training_airflow.context import fails_fast
+from training_airflow.params import RunParams, param
 
 log = logging.getLogger(__name__)
 
 
 def bench_params() -> dict[str, Param]:
+    """The grid's fields; the trainer's own (model, steps, batch size...) from their declarations."""
+    trainer = specs(TrainConfig)
+
+    def grid(name: str, default: list, title: str) -> Param:
+        return Param(default, type="array", items={"type": "string", "enum": choices(TrainConfig, name)}, minItems=1,
+                     title=title, description=f"Every value to try: {trainer[name].help}.")
+
     return {
-        "dataset_uri": Param(settings.default_dataset_uri(), type="string", minLength=1, title="Dataset",
-                             description="Folder written by `python -m training make-data`; its kind must match the model."),
-        "experiment": Param("training_benchmark", type="string", pattern=NAME_PATTERN, title="MLflow experiment",
-                            description="Experiment of the parent run and its child runs (one per grid point)."),
-        "model": Param("mlp", type="string", enum=["mlp", "cnn", "transformer"], title="Model",
-                       description="Model family of every point: mlp (tabular), cnn (images), transformer (tokens)."),
+        "dataset_uri": param(trainer["dataset_uri"], settings.default_dataset_uri()),
+        "experiment": param(specs(RunParams)["experiment"], "training_benchmark",
+                            description="experiment of the parent run and its child runs (one per grid point)"),
+        "model": param(trainer["model"]),
         "world_sizes": Param([1, 2], type="array", items={"type": "integer", "minimum": 1, "maximum": 64},
                              minItems=1, title="World sizes", description="Ranks per point (torchrun --nproc-per-node)."),
-        "strategies": Param(["ddp"], type="array", items={"type": "string", "enum": ["ddp", "fsdp"]}, minItems=1,
-                            title="Strategies", description="ddp and/or fsdp."),
-        "precisions": Param(["fp32"], type="array", items={"type": "string", "enum": ["fp32", "bf16", "fp16"]},
-                            minItems=1, title="Precisions", description="fp32, bf16, fp16 (fp16 only with ddp)."),
-        "comm_hooks": Param(["none"], type="array", items={"type": "string", "enum": ["none", "fp16", "bf16"]},
-                            minItems=1, title="Gradient compression",
-                            description="DDP comm hooks: none, fp16, bf16 (bf16 needs GPUs); points the trainer "
-                                        "would refuse are skipped with the reason in the log."),
-        "steps": Param(100, type="integer", minimum=1, maximum=1_000_000, title="Steps per point",
-                       description="Optimizer steps of every point."),
-        "batch_size": Param(64, type="integer", minimum=1, maximum=1_048_576, title="Global batch size",
-                            description="Samples per optimizer step; must be divisible by every world size."),
-        "log_every": Param(10, type="integer", minimum=1, title="Log interval",
-                           description="Steps per logged interval (the report takes medians over intervals)."),
+        "strategies": grid("strategy", ["ddp"], "Strategies"),
+        "precisions": grid("precision", ["fp32"], "Precisions"),
+        "comm_hooks": grid("comm_hook", ["none"], "Gradient compression"),
+        "steps": param(trainer["steps"], 100, title="Steps per point"),
+        "batch_size": param(trainer["batch_size"]),
+        "log_every": param(trainer["log_every"], section=None,
+                           description="steps per logged interval (the report takes medians over intervals)"),
     }
 
 
@@ -48,6 +49,7 @@ def _base(params: dict[str, Any]) -> dict[str, Any]:
             "batch_size": int(params["batch_size"]), "log_every": int(params["log_every"]), "checkpoint_every": 0}
 
 
+@fails_fast
 def open_parent(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> dict[str, Any]:
     """The parent MLflow run of this DAG run (a retry finds the same one) and the grid to run."""
     settings.ensure_tracking_uri()
@@ -55,14 +57,10 @@ def open_parent(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> dict
     from airflow.exceptions import AirflowFailException
 
     from training.bench import grid
-    from training.config import ConfigError
     from training.tracking import open_run
 
-    try:
-        points, skipped = grid(params["world_sizes"], params["strategies"], params["precisions"], params["comm_hooks"],
-                               base=_base(params), cuda=torch.cuda.is_available())
-    except ConfigError as e:
-        raise AirflowFailException(f"invalid parameters: {e}") from None
+    points, skipped = grid(params["world_sizes"], params["strategies"], params["precisions"], params["comm_hooks"],
+                           base=_base(params), cuda=torch.cuda.is_available())
     for line in skipped:
         log.warning("skipped %s", line)
     if not points:
@@ -71,6 +69,7 @@ def open_parent(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> dict
     return {"parent_run_id": parent, "points": [vars(p) for p in points]}
 
 
+@fails_fast
 def sweep(params: dict[str, Any], opened: dict[str, Any]) -> dict[str, Any]:
     """Every point as a child run; a retry skips the points already finished."""
     settings.ensure_tracking_uri()
@@ -86,6 +85,7 @@ def sweep(params: dict[str, Any], opened: dict[str, Any]) -> dict[str, Any]:
     return {**opened, "results": results}
 
 
+@fails_fast
 def report(params: dict[str, Any], swept: dict[str, Any]) -> dict[str, Any]:
     """Comparison report of the children, logged to the parent run under comparison/."""
     settings.ensure_tracking_uri()

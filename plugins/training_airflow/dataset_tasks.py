@@ -15,6 +15,7 @@ from airflow.sdk import Param
 from airflow.sdk.exceptions import AirflowFailException
 
 from training_airflow import settings
+from training_airflow.context import fails_fast
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,10 @@ def register_params() -> dict[str, Param]:
     }
 
 
+@fails_fast
 def register_dataset(params: dict[str, Any]) -> dict[str, Any]:
     """Write or take the dataset, run the data gate, return the Asset event's extra."""
-    from training.validation import DataValidationError, validate
+    from training.validation import validate
 
     root = settings.resolve_path(params["dataset_uri"])
     if params["generate"]:
@@ -54,7 +56,7 @@ def register_dataset(params: dict[str, Any]) -> dict[str, Any]:
         log.info("wrote a teacher dataset to %s", root)
     try:
         report = validate(root)
-    except (DataValidationError, FileNotFoundError) as e:
+    except FileNotFoundError as e:  # a folder that is not there: bad input, like a failed gate
         raise AirflowFailException(f"not registering {root}: {e}") from None
     log.info("data gate passed: %s rows, fingerprint %s", report["rows"], report["fingerprint"][:16])
     return {"dataset_uri": root, "fingerprint": report["fingerprint"], "rows": report["rows"]}

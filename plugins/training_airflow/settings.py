@@ -63,3 +63,21 @@ def training_schedule() -> str | None:
         raise ValueError(f"TRAINING_SCHEDULE={value!r} is not a cron expression. Fix: use e.g. '0 3 * * *', "
                          "'@daily', or 'none' for no schedule")
     return value
+
+
+BACKENDS = ("local", "kubernetes")
+
+
+def enabled_backends() -> list[str]:
+    """Where this deployment can train: ``TRAINING_BACKENDS``, a comma-separated subset of
+    ``local`` (torchrun on the Airflow worker) and ``kubernetes`` (pods on a cluster); default
+    ``local``. Read when the DAG files are parsed: the DAG holds the task group of each enabled
+    backend and nothing of the others, and the form offers only them (with several, a branch
+    follows the Param ``backend``)."""
+    raw = os.environ.get("TRAINING_BACKENDS", "local")
+    names = [b.strip() for b in raw.split(",") if b.strip()]
+    unknown = [b for b in names if b not in BACKENDS]
+    if unknown or not names:
+        raise ValueError(f"TRAINING_BACKENDS={raw!r} names {unknown or 'no backend'}. Fix: a comma-separated list "
+                         f"of {', '.join(BACKENDS)}, e.g. 'local' or 'local,kubernetes'")
+    return list(dict.fromkeys(names))

@@ -1,5 +1,8 @@
-"""Bodies of the ``distributed_training`` tasks. Each takes plain values and returns a small dict
-for XCom (run ids, URIs, numbers: never tensors or DataFrames). Heavy libraries are imported
+"""Bodies of the backend-independent tasks of a training run: ``validate_data`` before the
+backend's task group, ``evaluate``, ``register`` and ``report`` after it.
+
+Each takes plain values and returns a small dict for XCom (run ids, URIs, numbers: never tensors or
+DataFrames), one concern per task so that a retry has a clear scope. Heavy libraries are imported
 inside the functions so that parsing the DAG imports none of them.
 """
 
@@ -7,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -15,34 +17,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from airflow.sdk.exceptions import AirflowFailException
-
-from training_airflow import connections, launcher, settings
+from training_airflow import backends, context, settings
+from training_airflow.context import Handoff, Opened, fails_fast
+from training_airflow.params import run_tags
 
 log = logging.getLogger(__name__)
-
-# Params that become TrainConfig fields verbatim.
-TRAIN_FIELDS = ("model", "strategy", "precision", "comm_hook", "grad_accum", "steps", "batch_size", "lr", "seed",
-                "checkpoint_every", "eval_every", "target_metric")
-
-
-def train_config(params: dict[str, Any], *, checkpoint_dir: str = "-", output_dir: str = "") -> Any:
-    """Params -> TrainConfig, refusing bad values (including cross-field rules) with the field name."""
-    from training.config import ConfigError, TrainConfig
-
-    try:
-        values = {k: params[k] for k in TRAIN_FIELDS}
-        cfg = TrainConfig(**values, target_value=params.get("target_value"),
-                          dataset_uri=settings.resolve_path(params["dataset_uri"]),
-                          checkpoint_dir=checkpoint_dir, output_dir=output_dir)
-        cfg.check_world_size(int(params["world_size"]))
-        if Path(cfg.dataset_uri, "dataset.json").is_file():  # a missing dataset is the data gate's to report
-            from training.datasets import read_meta
-
-            cfg.check_dataset(read_meta(cfg.dataset_uri))
-    except ConfigError as e:
-        raise AirflowFailException(f"invalid run parameters: {e}") from None
-    return cfg
 
 
 def _record_verdict(logger, report: dict[str, Any], docs_dir: str) -> None:
@@ -63,67 +42,37 @@ def _record_verdict(logger, report: dict[str, Any], docs_dir: str) -> None:
         logger.client.log_artifacts(logger.run_id, docs_dir, "data_docs")
 
 
-def _logger(run_id: str):
-    from training.tracking import RunLogger
-
-    return RunLogger(run_id)
-
-
-def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_uri: str | None = None) -> dict[str, Any]:
-    """Open (or re-open) this DAG run's MLflow run, check the config, then run the data gate.
+@fails_fast
+def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_uri: str | None = None) -> Opened:
+    """Check the run's Params, open (or re-open) this DAG run's MLflow run, run the data gate.
 
     ``dataset_uri`` (from the asset event of a data-driven run) replaces the Param; later tasks
-    get it through the handoff."""
+    get the resolved folder through ``Opened``."""
     settings.ensure_tracking_uri()
-    params = with_dataset(params, dataset_uri)
-    from training.config import ConfigError, check_path_part
+    from training.config import check_path_part
     from training.tracking import open_run
-
-    try:
-        experiment = check_path_part("experiment", params["experiment"])
-    except ConfigError as e:
-        raise AirflowFailException(str(e)) from None
-    backend, world_size = params.get("backend", "local"), params["world_size"]
-    if backend == "kubernetes":  # the pods' rules: world sizes from k8s_nnodes, an s3 store, an MLflow server
-        from training_airflow import kubernetes
-
-        kubernetes.check_params(params, worker_tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
-        world_size = kubernetes.world_sizes(params)[-1]
-    else:
-        train_config(params)  # cross-field rules fail here, before any rank starts
-    connections.store_env(params)  # a missing or unreadable aws_conn_id fails here too
-
-    run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=dag_run_id,
-                      tags={**run_tags(params), "backend": backend, "world_size": str(world_size)})
-    logger = _logger(run_id)
-    log.info("MLflow run %s (experiment %s)", run_id, experiment)
-
     from training.validation import DataValidationError, validate
 
-    dataset = settings.resolve_path(params["dataset_uri"])
+    dataset = settings.resolve_path(dataset_uri or params["dataset_uri"])
+    params = {**params, "dataset_uri": dataset}
+    experiment = check_path_part("experiment", params["experiment"])
+    world_size = backends.check_params(params)  # the backend's rules, before any rank starts
+    context.store_env(params)  # a missing or unreadable aws_conn_id fails here too
+
+    run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=dag_run_id,
+                      tags={**run_tags(params), "world_size": str(world_size)})
+    logger = context.run_logger(run_id)
+    log.info("MLflow run %s (experiment %s)", run_id, experiment)
     with tempfile.TemporaryDirectory(prefix="gx-docs-") as docs:
         try:
             report = validate(dataset, docs_dir=docs)
         except DataValidationError as e:
             _record_verdict(logger, e.report, docs)
             logger.finish("FAILED")
-            raise AirflowFailException(str(e)) from None
+            raise
         _record_verdict(logger, report, docs)
     log.info("data gate passed: %s rows, fingerprint %s", report["rows"], report["fingerprint"][:16])
-    return {"mlflow_run_id": run_id, "dataset_fingerprint": report["fingerprint"], "dataset_uri": dataset}
-
-
-# Tags every run carries, so MLflow's compare view lines runs up by them. A Param a deployment
-# does not have yet is tagged with the trainer's default.
-RUN_TAG_DEFAULTS = {"backend": "local", "world_size": 1, "model": "mlp", "strategy": "ddp", "precision": "fp32"}
-
-
-def run_tags(params: dict[str, Any]) -> dict[str, str]:
-    return {k: str(params.get(k, default)) for k, default in RUN_TAG_DEFAULTS.items()}
-
-
-def with_dataset(params: dict[str, Any], dataset_uri: str | None) -> dict[str, Any]:
-    return {**params, "dataset_uri": dataset_uri} if dataset_uri else params
+    return Opened(mlflow_run_id=run_id, dataset_uri=dataset, dataset_fingerprint=report["fingerprint"])
 
 
 def dataset_from_events(triggering_asset_events: Any) -> str | None:
@@ -137,73 +86,18 @@ def dataset_from_events(triggering_asset_events: Any) -> str | None:
     return newest.extra["dataset_uri"] if newest is not None else None
 
 
-def train(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
-    """Start torchrun with ``world_size`` ranks; a retry resumes from the latest local checkpoint."""
-    settings.ensure_tracking_uri()
-    params = with_dataset(params, handoff.get("dataset_uri"))
-    run_id = handoff["mlflow_run_id"]
-    run_dir = settings.work_dir() / run_id  # keyed by the MLflow run: stable across task retries
-    cfg = train_config(params, checkpoint_dir=str(run_dir / "checkpoints"), output_dir=str(run_dir / "output"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "train_config.json"
-    config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-
-    import torch  # the ranks run on this machine: refuse what its hardware cannot do, without a retry
-
-    try:
-        cfg.check_device(torch.cuda.is_available())
-    except ValueError as e:
-        raise AirflowFailException(f"invalid run parameters: {e}") from None
-
-    nproc = int(params["world_size"])
-    cmd = launcher.torchrun_command(nproc=nproc, config_path=config_path, max_restarts=int(params["max_restarts"]),
-                                    port=launcher.free_port())
-    # S3 settings of aws_conn_id (if any) travel as environment of the ranks, never as arguments.
-    env = launcher.rank_env(nproc, {**connections.store_env(params), "MLFLOW_RUN_ID": run_id,
-                                    "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]})
-    result = launcher.run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT)
-    if result.returncode != 0:
-        raise launcher.TrainingFailed(launcher.explain_failure(result))
-
-    summary = json.loads((run_dir / "output" / "train_summary.json").read_text())
-    _logger(run_id).log_metrics_once({"pipeline/torchrun_wall_s": result.wall_s}, step=summary["final_step"])
-    return {**handoff, "mlflow_run_id": run_id, "checkpoint_path": summary["checkpoint_path"],
-            "final_step": summary["final_step"], "torchrun_wall_s": result.wall_s}
-
-
-def upload_checkpoint(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
-    """Commit the final checkpoint to the store: objects, then manifest.json, then `latest`."""
-    settings.ensure_tracking_uri()
-    from training.storage import StoreError, upload_checkpoint as upload
-
-    run_id = handoff["mlflow_run_id"]
-    try:
-        c = upload(handoff["checkpoint_path"], params["store_uri"], experiment=params["experiment"], run_id=run_id,
-                   env=connections.store_env(params))
-    except StoreError as e:
-        raise RuntimeError(f"checkpoint upload failed: {e}") from None
-    log.info("committed %s (%d objects uploaded, %d already there) in %.2fs", c.uri, c.uploaded, c.skipped, c.seconds)
-    logger = _logger(run_id)
-    logger.set_tags({"checkpoint.uri": c.uri})
-    logger.log_metrics_once({"ckpt/upload_s": c.seconds}, step=handoff["final_step"])
-    return {**handoff, "checkpoint_uri": c.uri}
-
-
-def evaluate(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
-    """Fetch the committed checkpoint back, verify every sha256, score the validation split."""
-    settings.ensure_tracking_uri()
+@fails_fast
+def evaluate(params: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
+    """Fetch the committed checkpoint back, verify every sha256, score the validation split, then
+    record the evaluation next to the checkpoint and apply retention."""
     from training.evaluate import run
 
-    params = with_dataset(params, handoff.get("dataset_uri"))
     run_id = handoff["mlflow_run_id"]
+    store_env = context.store_env(params)
     settings.work_dir().mkdir(parents=True, exist_ok=True)
-    model_dir = settings.work_dir() / run_id / "evaluated_model"
-    dataset = settings.resolve_path(params["dataset_uri"])
-    store_env = connections.store_env(params)
     result = run(store_uri=params["store_uri"], experiment=params["experiment"], run_id=run_id,
-                 dataset_uri=dataset, work_dir=str(settings.work_dir()), keep_model_in=str(model_dir),
-                 store_env=store_env)
-    logger = _logger(run_id)
+                 dataset_uri=handoff["dataset_uri"], work_dir=str(settings.work_dir()), store_env=store_env)
+    logger = context.run_logger(run_id)
     logger.log_metrics_once({"eval/loss": result["eval/loss"], "eval/accuracy": result["eval/accuracy"]}, step=result["step"])
     if result["warnings"]:
         for w in result["warnings"]:
@@ -214,9 +108,8 @@ def evaluate(params: dict[str, Any], handoff: dict[str, Any]) -> dict[str, Any]:
     known = ", ".join(f"{k} {result[k]:.4f}" for k in ("bayes_accuracy", "chance_accuracy", "loss_floor") if result.get(k) is not None)
     log.info("eval at step %d: loss %.4f, accuracy %.4f (%s)", result["step"], result["eval/loss"],
              result["eval/accuracy"], known or "no reference values for this dataset")
-    gate = register_model(params, handoff, model_dir=model_dir, dataset=dataset, accuracy=result["eval/accuracy"],
-                          step=result["step"])
-    return {**handoff, "eval_loss": result["eval/loss"], "eval_accuracy": result["eval/accuracy"], "registry": gate}
+    return {**handoff, "eval_loss": result["eval/loss"], "eval_accuracy": result["eval/accuracy"],
+            "eval_step": result["step"], "evaluated_step_dir": result["checkpoint_step_dir"]}
 
 
 def keep_checkpoints(params: dict[str, Any], run_id: str, result: dict[str, Any], store_env: dict[str, str]) -> None:
@@ -236,33 +129,44 @@ def keep_checkpoints(params: dict[str, Any], run_id: str, result: dict[str, Any]
         log.warning("checkpoint retention skipped: %s", e)
 
 
-def register_model(params: dict[str, Any], handoff: dict[str, Any], *, model_dir: Path, dataset: str,
-                   accuracy: float, step: int) -> dict[str, Any]:
-    """Log the evaluated model, register it, and let it take the `champion` alias if it is better."""
+@fails_fast
+def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
+    """Log the evaluated model, register it, and let it take the `champion` alias if it is better.
+
+    The model files are fetched from the store again and verified against the manifest (the step
+    folder ``evaluate`` scored), so this task may run on another worker than ``evaluate``."""
     from training import registry
+    from training.checkpoint import MODEL_CONFIG_FILE, MODEL_FILE
     from training.evaluate import example_inputs, score_folder
+    from training.storage import fetch_checkpoint
 
+    run_id, dataset = scored["mlflow_run_id"], scored["dataset_uri"]
     name = params.get("registered_model") or params["experiment"]
-    gate = registry.register_and_gate(
-        run_id=handoff["mlflow_run_id"], model_dir=model_dir, registered_model=name, metric_value=accuracy,
-        margin=float(params.get("promotion_margin", 0.0)), example_inputs=example_inputs(dataset), step=step,
-        data_fingerprint=handoff.get("dataset_fingerprint"),
-        score_model=lambda folder: score_folder(folder, dataset)["eval/accuracy"])
+    settings.work_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=settings.work_dir(), prefix="register-") as tmp:
+        model_dir, _, _ = fetch_checkpoint(params["store_uri"], experiment=params["experiment"], run_id=run_id,
+                                           dest=tmp, env=context.store_env(params),
+                                           step_dir=scored["evaluated_step_dir"], only=(MODEL_FILE, MODEL_CONFIG_FILE))
+        gate = registry.register_and_gate(
+            run_id=run_id, model_dir=model_dir, registered_model=name, metric_value=scored["eval_accuracy"],
+            margin=float(params.get("promotion_margin", 0.0)), example_inputs=example_inputs(dataset),
+            step=scored["eval_step"], data_fingerprint=scored.get("dataset_fingerprint"),
+            score_model=lambda folder: score_folder(folder, dataset)["eval/accuracy"])
     log.info("registry: %s version %s is %s: %s", gate["registered_model"], gate["version"], gate["decision"], gate["reason"])
-    return gate
+    return {**scored, "registry": gate}
 
 
-def report(params: dict[str, Any], handoff: dict[str, Any], *, dag_run_start: datetime | None) -> dict[str, Any]:
+@fails_fast
+def report(params: dict[str, Any], registered: dict[str, Any], *, dag_run_start: datetime | None) -> dict[str, Any]:
     """Close the MLflow run and record how much of the DAG's wall time was orchestration."""
-    settings.ensure_tracking_uri()
-    run_id = handoff["mlflow_run_id"]
-    logger = _logger(run_id)
+    run_id = registered["mlflow_run_id"]
+    logger = context.run_logger(run_id)
     metrics = {}
     if dag_run_start is not None:
         wall = (datetime.now(timezone.utc) - dag_run_start).total_seconds()
-        metrics = {"pipeline/dag_wall_s": wall, "pipeline/orchestration_overhead_s": wall - handoff["torchrun_wall_s"]}
-        logger.log_metrics_once(metrics, step=handoff["final_step"])
+        metrics = {"pipeline/dag_wall_s": wall, "pipeline/orchestration_overhead_s": wall - registered["torchrun_wall_s"]}
+        logger.log_metrics_once(metrics, step=registered["final_step"])
     logger.finish("FINISHED")
-    summary = {**handoff, **metrics, "finished_unix": time.time()}
+    summary = {**registered, **metrics, "finished_unix": time.time()}
     log.info("run summary: %s", json.dumps(summary))
     return summary

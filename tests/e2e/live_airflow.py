@@ -22,20 +22,16 @@ from urllib.parse import quote
 
 import requests
 
+from training.util import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "test-" + secrets.token_urlsafe(9)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveAirflow:
     def __init__(self, home: Path, *, extra_env: dict[str, str] | None = None):
         self.home = home
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}
         self._token: str | None = None

@@ -38,11 +38,9 @@ def test_full_pipeline_on_s3(airflow_db, dataset, s3_server, tmp_path):
 
     dag_run = load_dag("distributed_training").test(run_conf=conf)
 
-    assert _ti_states(dag_run) == {
-        **{t: "success" for t in ("validate_data", "choose_backend", "train", "upload_checkpoint", "evaluate", "report")},
-        # backend=local: the Kubernetes path is skipped, its Service deletion included.
-        **{t: "skipped" for t in ("create_rendezvous_service", "train_on_kubernetes", "upload_on_kubernetes",
-                                  "delete_rendezvous_service")}}
+    # The default deployment offers the local backend only: its task group and nothing else.
+    assert _ti_states(dag_run) == {t: "success" for t in ("validate_data", "train", "upload_checkpoint", "evaluate",
+                                                          "register", "report")}
     client, run = _mlflow_run(dag_run, "e2e")
     assert run.info.status == "FINISHED"
     p, m, tags = run.data.params, run.data.metrics, run.data.tags
@@ -94,9 +92,8 @@ def test_bad_data_stops_the_run_before_training(airflow_db, dataset, tmp_path, t
 
     states = _ti_states(dag_run)
     assert states["validate_data"] == "failed"
-    assert all(states[t] == "upstream_failed" for t in ("train", "upload_checkpoint", "evaluate", "report")), states
-    # all_done runs the Service deletion even now; with backend=local it has nothing to delete.
-    assert states["delete_rendezvous_service"] == "skipped", states
+    assert all(states[t] == "upstream_failed" for t in ("train", "upload_checkpoint", "evaluate", "register",
+                                                        "report")), states
     client, run = _mlflow_run(dag_run, "e2e-bad")
     assert run.info.status == "FAILED" and run.data.tags["data.validation"] == "failed"
     verdict = json.loads(open(client.download_artifacts(run.info.run_id, "data_validation.json")).read())

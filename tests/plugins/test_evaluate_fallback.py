@@ -48,7 +48,8 @@ def test_evaluate_task_falls_back_and_says_so(dataset, tmp_path, capfd, caplog):
     was_disabled, task_log.disabled = task_log.disabled, False
     task_log.addHandler(keep)
     try:
-        result = tasks.evaluate(params, {"mlflow_run_id": run_id, "final_step": 10, "dataset_fingerprint": "x"})
+        result = tasks.evaluate(params, {"mlflow_run_id": run_id, "final_step": 10, "dataset_fingerprint": "x",
+                                         "dataset_uri": str(dataset)})
     finally:
         task_log.removeHandler(keep)
         task_log.disabled = was_disabled

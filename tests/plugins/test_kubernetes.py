@@ -30,12 +30,15 @@ from airflow.providers.cncf.kubernetes.operators.resource import (
     KubernetesDeleteResourceOperator,
 )
 from airflow.sdk import TriggerRule
-from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
-from training_airflow import kubernetes as K
+from training.fields import ConfigError
+from training_airflow.backends.kubernetes import checks
+from training_airflow.backends.kubernetes import operators as ops
+from training_airflow.backends.kubernetes import spec as K
 from training_airflow.params import training_params
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_ID = "5f3c2a9be1d04c7f8a6b0e2d4c6a8e10"
+BOTH = ["local", "kubernetes"]
 MLFLOW = "http://mlflow.mlops.svc:5000"
 K8S_VERSIONS = ["1.30.0", f"{kubernetes_validate.latest_version()}.0"]
 DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -55,7 +58,7 @@ def kubeconfig(tmp_path_factory) -> str:
 
 
 def k8s_params(**overrides):
-    params = {name: p.value for name, p in training_params().items()}
+    params = {name: p.value for name, p in training_params(BOTH).items()}
     params.update(backend="kubernetes", store_uri="s3://checkpoints/team", k8s_mlflow_tracking_uri=MLFLOW,
                   k8s_nnodes=4, k8s_gpus_per_node=8, batch_size=256)
     params.update(overrides)
@@ -247,8 +250,8 @@ def test_no_secret_value_reaches_the_rendered_objects(kubeconfig, monkeypatch):
     text = json.dumps([job, pod, K.service_manifest(names)])
     for value in secrets.values():
         assert value not in text
-    with pytest.raises(AirflowFailException, match="k8s_mlflow_tracking_uri.*credentials"):
-        K.pod_tracking_uri(k8s_params(k8s_mlflow_tracking_uri="https://user:pw@mlflow.example"), None)
+    with pytest.raises(ConfigError, match="k8s_mlflow_tracking_uri.*credentials"):
+        checks.pod_tracking_uri(k8s_params(k8s_mlflow_tracking_uri="https://user:pw@mlflow.example"), None)
 
 
 def test_volumes_shm_and_checkpoint_folder(built):
@@ -327,19 +330,19 @@ def test_operators_compute_their_arguments_when_the_task_runs(kubeconfig, monkey
     same objects as passing those arguments to the provider's constructor."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", MLFLOW)
     params = k8s_params()
-    op = K.TrainingJobOperator(task_id="train_on_kubernetes", handoff={"mlflow_run_id": RUN_ID},
+    op = ops.TrainingJobOperator(task_id="train_on_kubernetes", handoff={"mlflow_run_id": RUN_ID},
                                in_cluster=False, config_file=kubeconfig)
     names = K.names(params, mlflow_run_id=RUN_ID, try_number=1)
     cfg = K.pod_train_config(params, run_dir=names.run_dir)
-    K.apply_kwargs(op, K.job_operator_kwargs(params, names, mlflow_run_id=RUN_ID, tracking_uri=MLFLOW, train_config=cfg))
+    ops.apply_kwargs(op, K.job_operator_kwargs(params, names, mlflow_run_id=RUN_ID, tracking_uri=MLFLOW, train_config=cfg))
     op.kubernetes_conn_id = None
     at_runtime = serialize(op.build_job_request_obj())
     expected, _ = build_job(kubeconfig, params)
     assert at_runtime == expected
 
-    up = K.UploadPodOperator(task_id="upload_on_kubernetes", handoff={"mlflow_run_id": RUN_ID},
+    up = ops.UploadPodOperator(task_id="upload_on_kubernetes", handoff={"mlflow_run_id": RUN_ID},
                              in_cluster=False, config_file=kubeconfig)
-    K.apply_kwargs(up, {**K.upload_pod_kwargs(params, names, mlflow_run_id=RUN_ID), "kubernetes_conn_id": None})
+    ops.apply_kwargs(up, {**K.upload_pod_kwargs(params, names, mlflow_run_id=RUN_ID), "kubernetes_conn_id": None})
     got, want = serialize(up.build_pod_request_obj()), build_upload_pod(kubeconfig, params)[0]
     for obj in (got, want):  # the provider adds a random suffix to pod names
         obj["metadata"]["name"] = re.sub(r"-[a-z0-9]{8}$", "", obj["metadata"]["name"])
@@ -349,19 +352,14 @@ def test_operators_compute_their_arguments_when_the_task_runs(kubeconfig, monkey
 def test_apply_kwargs_refuses_unknown_arguments():
     op = KubernetesPodOperator(task_id="x")
     with pytest.raises(AttributeError, match="completionz"):
-        K.apply_kwargs(op, {"completionz": 2})
+        ops.apply_kwargs(op, {"completionz": 2})
 
 
-def test_operators_are_the_providers_and_skip_on_the_local_backend():
-    assert issubclass(K.TrainingJobOperator, KubernetesJobOperator)
-    assert issubclass(K.UploadPodOperator, KubernetesPodOperator)
-    assert issubclass(K.RendezvousServiceOperator, KubernetesCreateResourceOperator)
-    assert issubclass(K.DeleteRendezvousServiceOperator, KubernetesDeleteResourceOperator)
-    delete = K.DeleteRendezvousServiceOperator(task_id="delete_rendezvous_service", handoff=None)
-    with pytest.raises(AirflowSkipException):
-        delete.execute(_context(k8s_params(backend="local")))
-    with pytest.raises(AirflowSkipException, match="no MLflow run"):
-        delete.execute(_context(k8s_params()))  # validate_data failed: nothing was created
+def test_operators_are_the_providers():
+    assert issubclass(ops.TrainingJobOperator, KubernetesJobOperator)
+    assert issubclass(ops.UploadPodOperator, KubernetesPodOperator)
+    assert issubclass(ops.RendezvousServiceOperator, KubernetesCreateResourceOperator)
+    assert issubclass(ops.DeleteRendezvousServiceOperator, KubernetesDeleteResourceOperator)
 
 
 def test_service_creation_fails_when_the_cluster_is_unreachable(kubeconfig, monkeypatch):
@@ -370,7 +368,7 @@ def test_service_creation_fails_when_the_cluster_is_unreachable(kubeconfig, monk
     https://127.0.0.1:1, where the connection is refused."""
     monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_NOWHERE", json.dumps(
         {"conn_type": "kubernetes", "extra": {"kube_config_path": kubeconfig}}))
-    op = K.RendezvousServiceOperator(task_id="create_rendezvous_service", handoff={"mlflow_run_id": RUN_ID})
+    op = ops.RendezvousServiceOperator(task_id="create_rendezvous_service", handoff={"mlflow_run_id": RUN_ID})
     with pytest.raises(Exception, match="127.0.0.1"):
         op.execute(_context(k8s_params(kubernetes_conn_id="kubernetes_nowhere")))
     assert "kind: Service" in op.yaml_conf and "clusterIP: None" in op.yaml_conf.replace("'", "")
@@ -393,25 +391,25 @@ def test_service_creation_fails_when_the_cluster_is_unreachable(kubeconfig, monk
     ({"k8s_dataset_path": "/data/../etc"}, "k8s_dataset_path"),
 ])
 def test_bad_kubernetes_params_are_refused_naming_the_field(overrides, field):
-    with pytest.raises(AirflowFailException) as e:
-        K.check_params(k8s_params(**overrides), worker_tracking_uri=MLFLOW)
+    with pytest.raises(ConfigError) as e:
+        checks.check_params(k8s_params(**overrides), worker_tracking_uri=MLFLOW)
     assert f"'{field}'" in str(e.value) and "Fix:" in str(e.value)
 
 
 def test_the_worker_must_log_to_the_server_the_pods_use():
-    with pytest.raises(AirflowFailException, match="worker's MLFLOW_TRACKING_URI") as e:
-        K.check_params(k8s_params(), worker_tracking_uri="sqlite:////secret/path/mlflow.db")
-    K.check_params(k8s_params(), worker_tracking_uri=MLFLOW)
-    K.check_params(k8s_params(k8s_mlflow_tracking_uri=""), worker_tracking_uri=MLFLOW)
-    with pytest.raises(AirflowFailException) as e:
-        K.pod_tracking_uri(k8s_params(k8s_mlflow_tracking_uri=""), "postgresql://u:topsecret@db/mlflow")
+    with pytest.raises(ConfigError, match="worker's MLFLOW_TRACKING_URI") as e:
+        checks.check_params(k8s_params(), worker_tracking_uri="sqlite:////secret/path/mlflow.db")
+    checks.check_params(k8s_params(), worker_tracking_uri=MLFLOW)
+    checks.check_params(k8s_params(k8s_mlflow_tracking_uri=""), worker_tracking_uri=MLFLOW)
+    with pytest.raises(ConfigError) as e:
+        checks.pod_tracking_uri(k8s_params(k8s_mlflow_tracking_uri=""), "postgresql://u:topsecret@db/mlflow")
     assert "topsecret" not in str(e.value)
 
 
 def test_params_schema_refuses_bad_names_before_a_run_is_created():
     from airflow.sdk.definitions.param import ParamValidationError
 
-    p = training_params()
+    p = training_params(BOTH)
     for name, bad in [("k8s_namespace", "Training_NS"), ("k8s_cpu_limit", "8 cores"), ("backend", "slurm"),
                       ("k8s_checkpoint_pvc", "-pvc"), ("k8s_nccl_env", {"PATH": "/bin"}),
                       ("k8s_mlflow_tracking_uri", "sqlite:///x.db")]:
@@ -448,37 +446,53 @@ def test_committed_handoff_reads_the_commit_back_from_s3(s3_server, tmp_path):
     upload_checkpoint(step, params["store_uri"], experiment=params["experiment"], run_id=RUN_ID)
 
     job = {"status": {"start_time": "2026-01-01T10:00:00Z", "completion_time": "2026-01-01T10:05:00Z"}}
-    opened = {"mlflow_run_id": RUN_ID, "dataset_fingerprint": "f1e2"}
-    h = K.committed_handoff(params, opened, job=job)
-    assert h == {**opened,
-                 "checkpoint_path": f"/checkpoints/{params['experiment']}/{RUN_ID}/checkpoints/step_00000120",
-                 "final_step": 120, "torchrun_wall_s": 300.0,
+    opened = {"mlflow_run_id": RUN_ID, "dataset_uri": "/data/teacher", "dataset_fingerprint": "f1e2"}
+    h = ops.committed_handoff(params, opened, job=job)
+    assert h == {**opened, "final_step": 120, "torchrun_wall_s": 300.0,
                  "checkpoint_uri": f"s3://checkpoints/team/{params['experiment']}/{RUN_ID}/step_00000120"}
     with pytest.raises(RuntimeError, match="does not exist"):
-        K.committed_handoff(params, {"mlflow_run_id": "0" * 32}, job=job)
+        ops.committed_handoff(params, {**opened, "mlflow_run_id": "0" * 32}, job=job)
 
 
 # --------------------------------------------------------------------------- DAG wiring
 
 
-@pytest.fixture(scope="module")
-def dag():
+@pytest.fixture
+def dag(monkeypatch):
+    """The DAG of a deployment that offers both backends (TRAINING_BACKENDS, read at parse time)."""
     from tests.conftest import load_dag
 
+    monkeypatch.setenv("TRAINING_BACKENDS", "local,kubernetes")
     return load_dag("distributed_training")
 
 
-def test_dag_branches_between_backends(dag):
+def test_each_backend_is_a_task_group_and_a_branch_picks_one(dag):
     t = dag.task_dict
-    local = ["validate_data", "train", "upload_checkpoint", "evaluate", "report"]
-    k8s = ["create_rendezvous_service", "train_on_kubernetes", "upload_on_kubernetes", "delete_rendezvous_service"]
-    assert set(local + k8s + ["choose_backend"]) == set(t)
-    assert t["choose_backend"].downstream_task_ids == {"train", "create_rendezvous_service", "delete_rendezvous_service"}
+    local = ["train", "upload_checkpoint"]
+    k8s = ["create_rendezvous_service", "train_on_kubernetes", "upload_on_kubernetes", "delete_rendezvous_service",
+           "confirm_commit"]
+    assert set(t) == {"validate_data", "choose_backend", *local, *k8s, "trained", "evaluate", "register", "report"}
+    assert {t[x].task_group.group_id for x in local} == {"local"}
+    assert {t[x].task_group.group_id for x in k8s} == {"kubernetes"}
+    assert t["choose_backend"].downstream_task_ids == {"train", "create_rendezvous_service"}
     assert "validate_data" in t["choose_backend"].upstream_task_ids
     assert t["train_on_kubernetes"].upstream_task_ids >= {"create_rendezvous_service", "validate_data"}
     assert t["upload_on_kubernetes"].upstream_task_ids >= {"train_on_kubernetes"}
-    assert t["upload_checkpoint"].upstream_task_ids >= {"train", "upload_on_kubernetes"}
-    assert t["upload_checkpoint"].trigger_rule == TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS
-    assert t["delete_rendezvous_service"].trigger_rule == TriggerRule.ALL_DONE
-    assert t["delete_rendezvous_service"].upstream_task_ids >= {"train_on_kubernetes", "choose_backend"}
-    assert t["evaluate"].upstream_task_ids == {"upload_checkpoint"}
+    # The Service is the Job's setup/teardown: deleted whatever happened once it was created.
+    assert t["create_rendezvous_service"].is_setup and t["delete_rendezvous_service"].is_teardown
+    assert t["delete_rendezvous_service"].trigger_rule == TriggerRule.ALL_DONE_SETUP_SUCCESS
+    assert t["delete_rendezvous_service"].upstream_task_ids >= {"train_on_kubernetes", "create_rendezvous_service"}
+    assert t["trained"].upstream_task_ids == {"upload_checkpoint", "confirm_commit"}
+    assert t["trained"].trigger_rule == TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS
+    assert t["evaluate"].upstream_task_ids == {"trained"}
+    assert "k8s_nnodes" in dag.params and dag.params.get_param("backend").schema["enum"] == ["local", "kubernetes"]
+
+
+def test_a_local_only_deployment_has_no_kubernetes_tasks_or_fields(monkeypatch):
+    from tests.conftest import load_dag
+
+    monkeypatch.setenv("TRAINING_BACKENDS", "local")
+    dag = load_dag("distributed_training")
+    assert set(dag.task_dict) == {"validate_data", "train", "upload_checkpoint", "evaluate", "register", "report"}
+    assert not [p for p in dag.params if p.startswith("k8s_")]
+    assert dag.params.get_param("backend").schema["enum"] == ["local"]

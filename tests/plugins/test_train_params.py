@@ -4,10 +4,10 @@ time-to-train target, with the cross-field rules the form cannot express refused
 from __future__ import annotations
 
 import pytest
-from airflow.exceptions import AirflowFailException
+from training.fields import ConfigError
 
 from training_airflow.params import training_params
-from training_airflow.tasks import train_config
+from training_airflow.context import train_config
 
 
 def _form(**changes):
@@ -34,7 +34,7 @@ def test_a_target_reaches_the_trainer():
     ({"target_metric": "eval/accuracy", "target_value": 0.8, "eval_every": 0}, "target_metric", "set eval_every"),
 ])
 def test_inconsistent_target_is_refused_naming_the_field(changes, field, fix):
-    with pytest.raises(AirflowFailException) as e:
+    with pytest.raises(ConfigError) as e:
         train_config(_form(**changes))
     assert f"config field '{field}'" in str(e.value)
     assert fix in str(e.value)

@@ -1,0 +1,62 @@
+"""The Kubernetes backend: the same ``python -m training`` entry points as N pods, through the
+cncf-kubernetes provider's own operators (no scheduler of our own). docs/architecture.md
+("Kubernetes backend") explains the objects; this package is split by concern:
+
+- ``params.py``: its fields of the trigger form (declared once);
+- ``spec.py``: pure spec building (names, Service, Indexed Job, upload pod; Params in, operator
+  arguments out);
+- ``checks.py``: the rules checked before anything exists on the cluster;
+- ``operators.py``: the provider's operators, given their arguments when the task runs, and the
+  worker-side confirmation of the commit.
+
+Task group ``kubernetes``: ``create_rendezvous_service`` (setup) -> ``train_on_kubernetes`` (the
+Indexed Job) -> ``upload_on_kubernetes`` (a pod commits the final checkpoint to the s3:// store)
+-> ``confirm_commit`` (the worker reads the commit back); ``delete_rendezvous_service`` is the
+teardown of the Service: it runs whatever happened to the Job once the Service was created, and
+a failed teardown does not fail the DAG run.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import TaskGroup, task
+
+from training_airflow.backends.kubernetes import checks
+from training_airflow.backends.kubernetes.operators import (
+    DeleteRendezvousServiceOperator,
+    RendezvousServiceOperator,
+    TrainingJobOperator,
+    UploadPodOperator,
+    confirm_commit,
+)
+from training_airflow.backends.kubernetes.params import KubernetesParams
+
+PARAMS = KubernetesParams
+
+
+def check_params(params: dict[str, Any]) -> int:
+    return checks.check_params(params, worker_tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
+
+
+def train_and_commit(opened: Any) -> Any:
+    """Task group ``kubernetes``; returns the XComArg of the Handoff."""
+    with TaskGroup("kubernetes", prefix_group_id=False,
+                   tooltip="Indexed Job of k8s_nnodes pods, an upload pod, the rendezvous Service around them"):
+        create = RendezvousServiceOperator(task_id="create_rendezvous_service", handoff=opened)
+        job = TrainingJobOperator(task_id="train_on_kubernetes", handoff=opened,
+                                  # the Job's activeDeadlineSeconds (Param k8s_active_deadline_s) is the real limit
+                                  execution_timeout=timedelta(days=30))
+        upload = UploadPodOperator(task_id="upload_on_kubernetes", handoff=opened)
+        delete = DeleteRendezvousServiceOperator(task_id="delete_rendezvous_service", handoff=opened)
+
+        @task(task_id="confirm_commit")
+        def confirm(opened: dict, params=None, ti=None) -> dict:
+            return confirm_commit(params, opened, job=ti.xcom_pull(task_ids="train_on_kubernetes", key="job"))
+
+        confirmed = confirm(opened)
+        create >> job >> upload >> confirmed
+        job >> delete.as_teardown(setups=create)
+        return confirmed

@@ -1,0 +1,202 @@
+"""The Kubernetes backend's operators: the cncf-kubernetes provider's own, given their arguments
+when the task runs (they depend on the run's Params and its MLflow run id, while Airflow creates
+operators when it parses the DAG file), and the worker-side confirmation of the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
+from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from airflow.providers.cncf.kubernetes.operators.resource import (
+    KubernetesCreateResourceOperator,
+    KubernetesDeleteResourceOperator,
+)
+from airflow.sdk.exceptions import AirflowFailException
+
+from training_airflow.backends.kubernetes.checks import pod_tracking_uri
+from training_airflow.backends.kubernetes.spec import (
+    CHECK_CONTAINER,
+    EXIT_BAD_INPUT,
+    JOB_STATIC_KWARGS,
+    POD_STATIC_KWARGS,
+    job_operator_kwargs,
+    job_wall_s,
+    names,
+    pod_train_config,
+    service_yaml,
+    upload_pod_kwargs,
+)
+from training_airflow.context import Handoff, Opened, fails_fast, run_logger, store_env
+
+log = logging.getLogger(__name__)
+
+
+def committed_handoff(params: dict[str, Any], opened: Opened, *, job: dict[str, Any] | None) -> Handoff:
+    """After the upload pod: read the commit back from the store (the worker has no checkpoint
+    volume; the store settings are the run's, as on the local backend) and hand on the same keys
+    as the local backend's ``upload_checkpoint``."""
+    from training.storage import LATEST, open_store, run_prefix
+
+    run_id = opened["mlflow_run_id"]
+    store = open_store(params["store_uri"], store_env(params))
+    prefix = run_prefix(params["experiment"], run_id)
+    raw = store.get_bytes(f"{prefix}/{LATEST}")
+    if raw is None:
+        raise RuntimeError(f"the upload pod finished but {store.uri}/{prefix}/{LATEST} does not exist")
+    latest = json.loads(raw)
+    return Handoff(mlflow_run_id=run_id, dataset_uri=opened["dataset_uri"],
+                   dataset_fingerprint=opened["dataset_fingerprint"],
+                   checkpoint_uri=f"{store.uri}/{prefix}/{latest['step_dir']}", final_step=int(latest["step"]),
+                   torchrun_wall_s=job_wall_s(job))
+
+
+@fails_fast
+def confirm_commit(params: dict[str, Any], opened: Opened, *, job: dict[str, Any] | None) -> Handoff:
+    """The ``confirm_commit`` task: read the commit back, tag the MLflow run, hand on."""
+    handoff = committed_handoff(params, opened, job=job)
+    logger = run_logger(handoff["mlflow_run_id"])
+    logger.set_tags({"checkpoint.uri": handoff["checkpoint_uri"]})
+    # Same metric name as the local backend; here it is the Job's start-to-completion time.
+    logger.log_metrics_once({"pipeline/torchrun_wall_s": handoff["torchrun_wall_s"]}, step=handoff["final_step"])
+    log.info("committed %s (step %d); Job wall time %.0fs", handoff["checkpoint_uri"], handoff["final_step"],
+             handoff["torchrun_wall_s"])
+    return handoff
+
+
+def apply_kwargs(op: Any, kwargs: dict[str, Any]) -> None:
+    """Set run-time arguments on an operator. Every key must already be an attribute that the
+    operator's __init__ stores as given (a test builds the same objects both ways)."""
+    for key, value in kwargs.items():
+        if not hasattr(op, key):
+            raise AttributeError(f"{type(op).__name__} has no argument {key!r}")
+        setattr(op, key, value)
+
+
+class _RunBound:
+    """Mixin: the operator takes this run's `validate_data` handoff (an XComArg, so also the
+    upstream dependency) and computes its Kubernetes arguments when the task runs. Values are set
+    after template rendering, so a Param value is never evaluated as a Jinja template."""
+
+    handoff: Any
+
+    def _run_id(self, context: Any) -> str:
+        return self.handoff["mlflow_run_id"]
+
+
+class RendezvousServiceOperator(_RunBound, KubernetesCreateResourceOperator):
+    """Create this run's headless Service (a retry finds it already there and goes on)."""
+
+    template_fields = (*KubernetesCreateResourceOperator.template_fields, "handoff")
+
+    def __init__(self, *, handoff: Any, **kwargs: Any) -> None:
+        super().__init__(yaml_conf="# set when the task runs", **kwargs)
+        self.handoff = handoff
+
+    def execute(self, context: Any) -> dict[str, str]:
+        from kubernetes.utils import FailToCreateError
+
+        params = context["params"]
+        names_ = names(params, mlflow_run_id=self._run_id(context), try_number=context["ti"].try_number)
+        apply_kwargs(self, {"yaml_conf": service_yaml(names_), "kubernetes_conn_id": params["kubernetes_conn_id"],
+                            "_namespace": names_.namespace})
+        try:
+            super().execute(context)
+        except FailToCreateError as e:
+            if not all(getattr(x, "status", None) == 409 for x in e.api_exceptions):
+                raise
+            log.info("Service %s/%s already exists (a retried task): reusing it", names_.namespace, names_.service)
+        # Read it back. The provider retries a failed create with the generator of YAML documents
+        # its first attempt consumed, so a retried transient error ends in "Resource was created"
+        # with nothing created; this read turns that into a failure (and an Airflow retry).
+        from kubernetes.client.rest import ApiException
+
+        try:
+            svc = self.hook.core_v1_client.read_namespaced_service(name=names_.service, namespace=names_.namespace)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            raise RuntimeError(f"Service {names_.namespace}/{names_.service} was not created although the create "
+                               "call returned; the task retry creates it") from None
+        if svc.spec.cluster_ip != "None":
+            raise RuntimeError(f"Service {names_.namespace}/{names_.service} exists but is not headless")
+        return {"service": names_.service, "namespace": names_.namespace}
+
+
+class DeleteRendezvousServiceOperator(_RunBound, KubernetesDeleteResourceOperator):
+    """Delete this run's headless Service; one that is already gone is fine."""
+
+    template_fields = (*KubernetesDeleteResourceOperator.template_fields, "handoff")
+
+    def __init__(self, *, handoff: Any, **kwargs: Any) -> None:
+        super().__init__(yaml_conf="# set when the task runs", **kwargs)
+        self.handoff = handoff
+
+    def execute(self, context: Any) -> None:
+        from airflow.providers.cncf.kubernetes.utils.delete_from import FailToDeleteError
+
+        params = context["params"]
+        names_ = names(params, mlflow_run_id=self._run_id(context), try_number=context["ti"].try_number)
+        apply_kwargs(self, {"yaml_conf": service_yaml(names_), "kubernetes_conn_id": params["kubernetes_conn_id"],
+                            "_namespace": names_.namespace})
+        try:
+            super().execute(context)
+        except FailToDeleteError as e:
+            if not all(getattr(x, "status", None) == 404 for x in e.api_exceptions):
+                raise
+            log.info("Service %s/%s does not exist (never created or already deleted)", names_.namespace, names_.service)
+
+
+class TrainingJobOperator(_RunBound, KubernetesJobOperator):
+    """The Indexed training Job. A Job failed by the podFailurePolicy (bad input) fails the task
+    without Airflow retries: a retry would fail the same way."""
+
+    template_fields = (*KubernetesJobOperator.template_fields, "handoff")
+
+    def __init__(self, *, handoff: Any, **kwargs: Any) -> None:
+        super().__init__(**{**JOB_STATIC_KWARGS, **kwargs})
+        self.handoff = handoff
+
+    @fails_fast
+    def execute(self, context: Any):
+        params = context["params"]
+        run_id = self._run_id(context)
+        names_ = names(params, mlflow_run_id=run_id, try_number=context["ti"].try_number)
+        tracking_uri = pod_tracking_uri(params, os.environ.get("MLFLOW_TRACKING_URI"))
+        cfg = pod_train_config(params, run_dir=names_.run_dir)
+        apply_kwargs(self, job_operator_kwargs(params, names_, mlflow_run_id=run_id, tracking_uri=tracking_uri,
+                                               train_config=cfg))
+        log.info("Indexed Job %s/%s: %s pods, rendezvous %s", names_.namespace, names_.job, params["k8s_nnodes"],
+                 names_.rdzv_endpoint)
+        try:
+            return super().execute(context)
+        except Exception:
+            reason = self.hook.is_job_failed(job=self.job) if self.job is not None and self.job.status else False
+            if reason == "PodFailurePolicy":
+                raise AirflowFailException(
+                    f"Job {names_.job} failed by its podFailurePolicy: a container exited with code {EXIT_BAD_INPUT} "
+                    f"(bad input). Read the '{CHECK_CONTAINER}' container log of the failed pod "
+                    f"(kubectl -n {names_.namespace} logs -l job-name={names_.job} -c {CHECK_CONTAINER}), "
+                    "fix the Params and trigger a new run; retrying would fail the same way") from None
+            raise
+
+
+class UploadPodOperator(_RunBound, KubernetesPodOperator):
+    """`python -m training upload` in a pod that mounts the checkpoint volume read-only."""
+
+    template_fields = (*KubernetesPodOperator.template_fields, "handoff")
+
+    def __init__(self, *, handoff: Any, **kwargs: Any) -> None:
+        super().__init__(**{**POD_STATIC_KWARGS, **kwargs})
+        self.handoff = handoff
+
+    def execute(self, context: Any):
+        params = context["params"]
+        run_id = self._run_id(context)
+        names_ = names(params, mlflow_run_id=run_id, try_number=context["ti"].try_number)
+        apply_kwargs(self, upload_pod_kwargs(params, names_, mlflow_run_id=run_id))
+        return super().execute(context)

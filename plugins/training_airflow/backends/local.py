@@ -1,0 +1,171 @@
+"""The local backend: ``torchrun`` as a child process of the Airflow task, on the worker.
+
+Task group ``local`` (task ids kept as they were before the groups: ``train``, ``upload_checkpoint``):
+
+- ``train``: writes the run's ``train_config.json`` and starts ``torchrun --nproc-per-node
+  world_size`` in its own process group; every output line goes to the task log; a non-zero exit
+  fails the task with the failing rank's error. A retry resumes from the latest local checkpoint
+  (the work folder is keyed by the MLflow run id).
+- ``upload_checkpoint``: commits the final checkpoint folder to the store (objects, manifest,
+  then ``latest``) and hands on the ``Handoff``.
+
+torchrun is the launcher; this module only builds its command line (``training.launch``), forwards
+its output and makes sure no rank outlives the task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import TaskGroup, task
+
+from training_airflow import context, settings
+from training_airflow.context import Handoff, Opened, fails_fast
+
+log = logging.getLogger(__name__)
+PARAMS = None  # no fields of its own: world_size and max_restarts are the run's
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    wall_s: float
+    tail: list[str]
+
+
+def check_params(params: dict[str, Any]) -> int:
+    """The trainer's rules for this run (cross-field, world size, dataset kind)."""
+    context.train_config(params)
+    return int(params["world_size"])
+
+
+def rank_env(nproc: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra or {})
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on loopback only; nccl ignores it
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_streaming(cmd: list[str], *, env: dict[str, str], cwd: str | Path, tail_lines: int = 60) -> LaunchResult:
+    """Run ``cmd`` in its own process group, log each output line, kill the group on exit."""
+    log.info("launching: %s", " ".join(cmd))
+    t0 = time.perf_counter()
+    tail: deque[str] = deque(maxlen=tail_lines)
+    proc = subprocess.Popen(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            log.info("%s", line)
+        rc = proc.wait()
+    finally:
+        # The task may be stopped (timeout, mark-failed, SIGTERM): never leave ranks behind.
+        if proc.poll() is None:
+            _stop_group(proc)
+    return LaunchResult(returncode=rc, wall_s=time.perf_counter() - t0, tail=list(tail))
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def explain_failure(result: LaunchResult) -> str:
+    """Pick the lines a person needs: the Python error of the failing rank and torchrun's summary."""
+    errors = [l for l in result.tail if "Error" in l or "error:" in l or "exitcode" in l or "rank" in l.lower()]
+    picked = errors[-12:] or result.tail[-12:]
+    return (f"torchrun exited with code {result.returncode} after {result.wall_s:.1f}s. Last relevant lines:\n  "
+            + "\n  ".join(picked))
+
+
+@fails_fast
+def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
+    """Start torchrun with ``world_size`` ranks; a retry resumes from the latest local checkpoint."""
+    import torch
+
+    from training.launch import torchrun_command
+    from training.util import free_port
+
+    settings.ensure_tracking_uri()
+    run_id = opened["mlflow_run_id"]
+    run_dir = context.work_dir(run_id)
+    cfg = context.train_config(params, dataset_uri=opened["dataset_uri"], checkpoint_dir=str(run_dir / "checkpoints"),
+                               output_dir=str(run_dir / "output"))
+    cfg.check_device(torch.cuda.is_available())  # the ranks run on this machine: refuse what it cannot do
+    config_path = run_dir / "train_config.json"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    nproc = int(params["world_size"])
+    cmd = torchrun_command(["--config", str(config_path)], nproc_per_node=nproc,
+                           max_restarts=int(params["max_restarts"]), master_port=free_port())
+    # S3 settings of aws_conn_id (if any) travel as environment of the ranks, never as arguments.
+    env = rank_env(nproc, {**context.store_env(params), "MLFLOW_RUN_ID": run_id,
+                           "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]})
+    result = run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT)
+    if result.returncode != 0:
+        raise TrainingFailed(explain_failure(result))
+
+    summary = json.loads((run_dir / "output" / "train_summary.json").read_text())
+    context.run_logger(run_id).log_metrics_once({"pipeline/torchrun_wall_s": result.wall_s},
+                                                step=summary["final_step"])
+    return {**opened, "checkpoint_path": summary["checkpoint_path"], "final_step": summary["final_step"],
+            "torchrun_wall_s": result.wall_s}
+
+
+@fails_fast
+def commit(params: dict[str, Any], trained: dict[str, Any]) -> Handoff:
+    """Commit the final checkpoint to the store: objects, then manifest.json, then `latest`."""
+    from training.storage import StoreError, upload_checkpoint
+
+    run_id = trained["mlflow_run_id"]
+    try:
+        c = upload_checkpoint(trained["checkpoint_path"], params["store_uri"], experiment=params["experiment"],
+                              run_id=run_id, env=context.store_env(params))
+    except StoreError as e:
+        raise RuntimeError(f"checkpoint upload failed: {e}") from None
+    log.info("committed %s (%d objects uploaded, %d already there) in %.2fs", c.uri, c.uploaded, c.skipped, c.seconds)
+    logger = context.run_logger(run_id)
+    logger.set_tags({"checkpoint.uri": c.uri})
+    logger.log_metrics_once({"ckpt/upload_s": c.seconds}, step=trained["final_step"])
+    return Handoff(mlflow_run_id=run_id, dataset_uri=trained["dataset_uri"],
+                   dataset_fingerprint=trained["dataset_fingerprint"], checkpoint_uri=c.uri,
+                   final_step=trained["final_step"], torchrun_wall_s=trained["torchrun_wall_s"])
+
+
+def train_and_commit(opened: Any) -> Any:
+    """Task group ``local``: train -> upload_checkpoint. Returns the XComArg of the Handoff."""
+    with TaskGroup("local", prefix_group_id=False, tooltip="torchrun on the Airflow worker, then the commit"):
+
+        @task
+        def train(opened: dict, params=None) -> dict:
+            return run_torchrun(params, opened)
+
+        @task
+        def upload_checkpoint(trained: dict, params=None) -> dict:
+            return commit(params, trained)
+
+        return upload_checkpoint(train(opened))
