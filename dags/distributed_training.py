@@ -30,7 +30,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import dag, task
 
-from training_airflow import backends, settings
+from training_airflow import backends, lifecycle, settings
 from training_airflow.assets import TRAINING_DATASET
 from training_airflow.params import training_params
 
@@ -39,6 +39,11 @@ DEFAULT_ARGS = {
     "retries": 1,
     "retry_delay": timedelta(seconds=15),
     "execution_timeout": timedelta(hours=2),
+    # The MLflow run follows: failure tags and the log tail on a failed try, FAILED when it is final,
+    # back to RUNNING when a retry or a cleared task succeeds (plugins/training_airflow/lifecycle.py).
+    "on_failure_callback": lifecycle.on_failure,
+    "on_retry_callback": lifecycle.on_retry,
+    "on_success_callback": lifecycle.on_success,
 }
 
 

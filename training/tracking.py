@@ -59,15 +59,24 @@ def open_run(experiment: str, *, dag_id: str, dag_run_id: str, run_name: str | N
     """
     client = _client()
     exp_id = get_or_create_experiment(experiment)
-    safe_id = dag_run_id.replace("'", "")
-    found = client.search_runs(
-        [exp_id], filter_string=f"tags.`{TAG_DAG_RUN_ID}` = '{safe_id}' and tags.`{TAG_DAG_ID}` = '{dag_id}'",
-        max_results=1,
-    )
+    found = find_runs(exp_id, dag_id=dag_id, dag_run_id=dag_run_id)
     if found:
         return found[0].info.run_id
     run = client.create_run(exp_id, run_name=run_name, tags={TAG_DAG_ID: dag_id, TAG_DAG_RUN_ID: dag_run_id, **(tags or {})})
     return run.info.run_id
+
+
+def find_runs(experiment_id: str, *, dag_id: str, dag_run_id: str | None = None, status: str | None = None) -> list:
+    """MLflow runs of a DAG (and of one of its DAG runs, and in one status, when given)."""
+    def quoted(v: str) -> str:
+        return "'" + v.replace("'", "") + "'"
+
+    terms = [f"tags.`{TAG_DAG_ID}` = {quoted(dag_id)}"]
+    if dag_run_id is not None:
+        terms.append(f"tags.`{TAG_DAG_RUN_ID}` = {quoted(dag_run_id)}")
+    if status is not None:
+        terms.append(f"attributes.status = {quoted(status)}")
+    return _client().search_runs([experiment_id], filter_string=" and ".join(terms), max_results=1000)
 
 
 class RunLogger:

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from training_airflow import backends, context, settings
+from training_airflow import backends, context, lifecycle, settings
 from training_airflow.context import Handoff, Opened, fails_fast
 from training_airflow.params import run_tags
 
@@ -63,6 +63,8 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, datas
                       tags={**run_tags(params), "world_size": str(world_size)})
     logger = context.run_logger(run_id)
     log.info("MLflow run %s (experiment %s)", run_id, experiment)
+    # Earlier runs of this DAG that were cancelled (no callback tells us) are KILLED from here on.
+    lifecycle.reconcile(logger.client.get_run(run_id).info.experiment_id, dag_id=dag_id, current_run_id=dag_run_id)
     with tempfile.TemporaryDirectory(prefix="gx-docs-") as docs:
         try:
             report = validate(dataset, docs_dir=docs)

@@ -36,7 +36,11 @@ PARAMS = None  # no fields of its own: world_size and max_restarts are the run's
 
 
 class TrainingFailed(RuntimeError):
-    pass
+    """torchrun failed; ``reason`` is the one line that says why, ``tail`` its last output lines."""
+
+    def __init__(self, message: str, *, reason: str, tail: list[str]):
+        super().__init__(message)
+        self.reason, self.tail = reason, "\n".join(tail) + "\n"
 
 
 @dataclass
@@ -61,7 +65,7 @@ def rank_env(nproc: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_streaming(cmd: list[str], *, env: dict[str, str], cwd: str | Path, tail_lines: int = 60) -> LaunchResult:
+def run_streaming(cmd: list[str], *, env: dict[str, str], cwd: str | Path, tail_lines: int = 200) -> LaunchResult:
     """Run ``cmd`` in its own process group, log each output line, kill the group on exit."""
     log.info("launching: %s", " ".join(cmd))
     t0 = time.perf_counter()
@@ -93,12 +97,37 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
         pass
 
 
-def explain_failure(result: LaunchResult) -> str:
+def explain_failure(result: LaunchResult) -> TrainingFailed:
     """Pick the lines a person needs: the Python error of the failing rank and torchrun's summary."""
     errors = [l for l in result.tail if "Error" in l or "error:" in l or "exitcode" in l or "rank" in l.lower()]
     picked = errors[-12:] or result.tail[-12:]
-    return (f"torchrun exited with code {result.returncode} after {result.wall_s:.1f}s. Last relevant lines:\n  "
-            + "\n  ".join(picked))
+    message = (f"torchrun exited with code {result.returncode} after {result.wall_s:.1f}s. Last relevant lines:\n  "
+               + "\n  ".join(picked))
+    return TrainingFailed(message, reason=failure_reason(result), tail=result.tail)
+
+
+def failure_reason(result: LaunchResult) -> str:
+    """One line: torchrun's root cause (the first rank that failed: exit code or signal) and the
+    trainer's own attribution (``rank R/W: PHASE failed at step S: ...``, e.g. the collective a
+    surviving rank was in when its peer died), else the last error line."""
+    summary: dict[str, str] = {}
+    cause = next((i for i, l in enumerate(result.tail) if "Root Cause" in l), None)
+    for line in result.tail[cause:] if cause is not None else []:  # "  rank      : 1 (local_rank: 1)" ...
+        key, sep, value = line.strip().partition(":")
+        if sep and key.strip() in ("rank", "exitcode", "traceback") and key.strip() not in summary:
+            summary[key.strip()] = value.strip()
+    attribution = next((l[l.index("rank "):].strip() for l in reversed(result.tail)
+                        if "failed at step" in l and "rank " in l), None)
+    parts = []
+    if "rank" in summary:
+        parts.append(f"rank {summary['rank'].split()[0]} exited with {summary.get('exitcode', '?').split()[0]} "
+                     f"({summary.get('traceback', 'no traceback')})")
+    if attribution:
+        parts.append(attribution)
+    if not parts:
+        errors = [l.strip() for l in result.tail if "Error" in l]
+        parts.append(errors[-1] if errors else "no error line in its output")
+    return f"torchrun exited with code {result.returncode}: " + "; ".join(parts)
 
 
 @fails_fast
@@ -127,7 +156,7 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
                            "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]})
     result = run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT)
     if result.returncode != 0:
-        raise TrainingFailed(explain_failure(result))
+        raise explain_failure(result)
 
     summary = json.loads((run_dir / "output" / "train_summary.json").read_text())
     context.run_logger(run_id).log_metrics_once({"pipeline/torchrun_wall_s": result.wall_s},
