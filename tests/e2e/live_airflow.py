@@ -165,11 +165,11 @@ class LiveAirflow:
         assert r.status_code == 200, r.text
         return r.json()["dag_runs"]
 
-    def clear(self, dag_id: str, run_id: str, task_ids: list[str]) -> None:
+    def clear(self, dag_id: str, run_id: str, task_ids: list[str], *, downstream: bool = True) -> None:
         """What "Clear task (and downstream)" in the UI does: the tasks run again as a new try."""
         r = self.api("POST", f"/dags/{dag_id}/clearTaskInstances",
-                     json={"dry_run": False, "dag_run_id": run_id, "task_ids": task_ids, "include_downstream": True,
-                           "only_failed": False, "reset_dag_runs": True})
+                     json={"dry_run": False, "dag_run_id": run_id, "task_ids": task_ids,
+                           "include_downstream": downstream, "only_failed": False, "reset_dag_runs": True})
         assert r.status_code == 200, r.text
 
     def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:

@@ -140,6 +140,18 @@ def test_cleared_task_reruns_into_the_same_mlflow_run(live_airflow, started):
     assert len(versions) == 1, "the re-run evaluate registered nothing new"
     assert af.xcom(TRAIN, run_id, "register")["registry"]["version"] == str(versions[0].version)
 
+    # Each task alone, cleared after the run finished: still one value per step for every metric.
+    for task in CORE:
+        af.clear(TRAIN, run_id, [task], downstream=False)
+        run = af.wait_for_run(TRAIN, run_id, timeout=900)
+        assert run["state"] == "success", (task, af.task_states(TRAIN, run_id))
+        (again,) = _mlflow_runs(TRAIN, run_id)
+        assert again.info.run_id == before.info.run_id and again.info.status == "FINISHED", task
+        for key in again.data.metrics:
+            steps = [m.step for m in client.get_metric_history(again.info.run_id, key)]
+            assert len(steps) == len(set(steps)), (task, key, sorted(steps))
+    assert len(client.search_model_versions(f"name = '{EXPERIMENT}' and run_id = '{before.info.run_id}'")) == 1
+
 
 def test_compare_the_runs_and_find_the_champion(live_airflow, started, tmp_path):
     """What a person does after the runs: look them up in MLflow and compare them."""
