@@ -71,7 +71,7 @@ def run_streaming(cmd: list[str], *, env: dict[str, str], cwd: str | Path, tail_
     t0 = time.perf_counter()
     tail: deque[str] = deque(maxlen=tail_lines)
     proc = subprocess.Popen(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1, start_new_session=True)
+                            text=True, bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -84,6 +84,18 @@ def run_streaming(cmd: list[str], *, env: dict[str, str], cwd: str | Path, tail_
         if proc.poll() is None:
             _stop_group(proc)
     return LaunchResult(returncode=rc, wall_s=time.perf_counter() - t0, tail=list(tail))
+
+
+def _die_with_parent() -> None:
+    """In the torchrun agent, before it starts: SIGTERM it when the task process dies, even by
+    SIGKILL (a lost worker, an out-of-memory kill), which runs no ``finally``. The agent then stops
+    its ranks as on any SIGTERM, so a retried task never trains beside an orphaned group."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):  # not Linux: the finally below still covers a normal exit
+        pass
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
