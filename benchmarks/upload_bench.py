@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,21 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"moto_server did not listen on 127.0.0.1:{port}")
+from training.util import free_port, sha256_file, wait_for_port  # noqa: E402 (after the path is set)
 
 
 def main() -> int:
@@ -57,7 +42,7 @@ def main() -> int:
                     help="also try these part sizes (MiB) x concurrencies, e.g. 8x8,16x8,64x4")
     a = ap.parse_args()
 
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -65,7 +50,7 @@ def main() -> int:
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                       AWS_DEFAULT_REGION="us-east-1")
     try:
-        _wait(port)
+        wait_for_port(port)
         import boto3
 
         from training import storage
@@ -80,7 +65,7 @@ def main() -> int:
                 for _ in range(a.mb):
                     f.write(os.urandom(1 << 20))
             (ck / "COMPLETE").write_text(json.dumps({"step": 1, "world_size": 1, "config_hash": "bench"}))
-            sha = storage.sha256_file(data)
+            sha = sha256_file(data)
             mb = data.stat().st_size / 2**20
 
             def boto3_default(i: int) -> None:

@@ -8,6 +8,10 @@ Layout of the local checkpoint folder::
     {checkpoint_dir}/step_00000300/model.safetensors + model_config.json   (final step only)
 
 A folder without ``COMPLETE`` is an interrupted save and is never resumed from.
+
+``Checkpointer`` owns when to save as well as how: ``resume`` at start, ``maybe_save`` after every
+step (every ``checkpoint_every`` steps), ``finalize`` at the end (the final step with the exported
+model), ``save(final=True)`` on preemption.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+
+from training.log import logger
+from training.tracking import NullLogger
+from training.util import atomic_write
 
 STEP_DIR_RE = re.compile(r"^step_(\d{8})$")
 COMPLETE = "COMPLETE"
@@ -118,14 +126,59 @@ class Checkpointer:
 
     Async saves run on their own gloo process group so that the background thread's collectives
     never interleave with the training collectives on the default group.
+
+    Cadence: ``maybe_save`` saves every ``every`` steps before ``last_step`` (0: never), says how
+    long training was blocked and logs ``ckpt/blocking_s`` through ``metrics``; ``finalize``
+    writes ``last_step``'s checkpoint. ``phase`` (resilience.Phase) is told what is going on, so
+    that a failed save is named in the error.
     """
 
-    def __init__(self, checkpoint_dir: str | Path, *, world_size: int, config_hash: str, use_async: bool):
+    def __init__(self, checkpoint_dir: str | Path, *, world_size: int, config_hash: str, use_async: bool,
+                 every: int = 0, last_step: int | None = None, metrics=None, phase=None):
         self.root = Path(checkpoint_dir)
         self.world_size, self.config_hash, self.use_async = world_size, config_hash, use_async
+        self.every, self.last_step = every, last_step
+        self.metrics = metrics if metrics is not None else NullLogger()
+        self.phase = phase
         self.rank = dist.get_rank()
         self.pending: tuple[Any, Path, int] | None = None
         self.group = dist.new_group(backend="gloo") if use_async else None
+        self.saved_step = -1  # the step of the newest checkpoint written or loaded
+
+    def resume(self, state: TrainState) -> tuple[Path | None, bool]:
+        """Load the latest complete checkpoint into ``state`` if there is one. Returns its folder
+        (None: starting from scratch) and whether this rank's RNG state was restored (see load)."""
+        path = latest_complete(self.root)
+        if path is None:
+            return None, False
+        rng_restored = load(state, path)
+        self.saved_step = state.step
+        return path, rng_restored
+
+    def maybe_save(self, state: TrainState, step: int) -> None:
+        """After a step: mark a finished async save complete; every ``every`` steps (but not the
+        last step, which ``finalize`` writes), save."""
+        self.poll()
+        if not self.every or step % self.every or (self.last_step is not None and step >= self.last_step):
+            return
+        if self.phase is not None:
+            self.phase.now = f"checkpoint save at step {step}"
+        blocked = self.save(state)
+        logger.info(f"checkpoint step {step}: training blocked {blocked:.4f}s ({'async' if self.use_async else 'sync'})")
+        self.metrics.log_metrics({"ckpt/blocking_s": blocked}, step=step)
+        self.saved_step = step
+
+    def finalize(self, state: TrainState, model, spec: dict[str, Any]) -> Path:
+        """Collective: the final checkpoint of ``state.step`` with the portable model, unless that
+        step was saved already. Returns its folder."""
+        self.wait()
+        final_dir = self.root / step_dir_name(state.step)
+        if self.saved_step != state.step:
+            # Export the portable model before marking the folder COMPLETE, so a complete final
+            # checkpoint always carries model.safetensors.
+            export_model(model, final_dir, spec)
+            self.save(state, final=True)
+        return final_dir
 
     def save(self, state: TrainState, *, final: bool = False) -> float:
         """Start (async) or do (sync) a save; returns the seconds training was blocked."""
@@ -160,7 +213,7 @@ class Checkpointer:
         # rank's write results were gathered and the metadata file written.
         if self.rank == 0:
             marker = {"step": step, "world_size": self.world_size, "config_hash": self.config_hash}
-            _atomic_write(path / COMPLETE, json.dumps(marker) + "\n")
+            atomic_write(path / COMPLETE, json.dumps(marker) + "\n")
 
 
 def latest_complete(checkpoint_dir: str | Path) -> Path | None:
@@ -193,7 +246,7 @@ def export_model(model, path: str | Path, spec: dict[str, Any]) -> None:
         tmp = path / (MODEL_FILE + ".tmp")
         save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
         os.replace(tmp, path / MODEL_FILE)
-        _atomic_write(path / MODEL_CONFIG_FILE, json.dumps(spec, indent=2) + "\n")
+        atomic_write(path / MODEL_CONFIG_FILE, json.dumps(spec, indent=2) + "\n")
     dist.barrier()
 
 
@@ -208,12 +261,3 @@ def load_exported(path: str | Path):
     model = build_model(spec)
     model.load_state_dict(load_file(str(path / MODEL_FILE)))
     return model, spec
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

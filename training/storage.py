@@ -35,6 +35,7 @@ from typing import Any, Iterator, Mapping
 from urllib.parse import urlparse
 
 from training.config import ConfigError, check_path_part
+from training.util import atomic_write, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,6 @@ class StoreError(RuntimeError):
 
 class CheckpointCorrupt(StoreError):
     pass
-
-
-def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------- backends
@@ -82,14 +75,7 @@ class FileStore:
         os.replace(tmp, dest)
 
     def put_bytes(self, data: bytes, key: str) -> None:
-        dest = self._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(dest.name + ".partial")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
+        atomic_write(self._path(key), data, tmp_suffix=".partial")
 
     def get_bytes(self, key: str) -> bytes | None:
         try:
