@@ -87,6 +87,10 @@ class TrainConfig:
                         maximum=256, section=ADVANCED)
     dropout: float = knob(0.0, "dropout probability (transformer)", title="Dropout", minimum=0, maximum=0.95,
                           section=ADVANCED)
+    bucket_cap_mb: float = knob(
+        25.0, "DDP gradient bucket size in MiB: gradients are all-reduced bucket by bucket while backward still runs, "
+        "so smaller buckets overlap more communication with compute (more, smaller collectives)",
+        title="DDP bucket size (MiB)", exclusive_minimum=0, maximum=1024, section=ADVANCED)
     async_checkpoint: bool = knob(
         False, "save periodic checkpoints with dcp.async_save: training blocks only while the state is copied",
         title="Asynchronous checkpoints", section=ADVANCED)

@@ -280,6 +280,7 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
             model,
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
+            bucket_cap_mb=cfg.bucket_cap_mb,
         )
         wrapped.register_comm_hook(timer, _timed(HOOKS[cfg.comm_hook]))
         return wrapped, timer
