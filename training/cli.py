@@ -131,17 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     s.set_defaults(fn=_cmd_train)
 
+    def store_location(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--store-uri", required=True, help="file:///folder or s3://bucket/prefix")
+        s.add_argument("--experiment", required=True, help="experiment name (first key part)")
+        s.add_argument("--run-id", required=True, help="MLflow run id (second key part)")
+
     s = sub.add_parser("upload", help="commit a local checkpoint folder to the store (manifest last)")
     s.add_argument("--checkpoint", required=True, help="local step_XXXXXXXX folder with a COMPLETE marker")
-    s.add_argument("--store-uri", required=True, help="file:///folder or s3://bucket/prefix")
-    s.add_argument("--experiment", required=True, help="experiment name (first key part)")
-    s.add_argument("--run-id", required=True, help="MLflow run id (second key part)")
+    store_location(s)
     s.set_defaults(fn=_cmd_upload)
 
     s = sub.add_parser("evaluate", help="fetch, verify and score the run's latest checkpoint")
-    s.add_argument("--store-uri", required=True, help="file:///folder or s3://bucket/prefix")
-    s.add_argument("--experiment", required=True, help="experiment name")
-    s.add_argument("--run-id", required=True, help="MLflow run id")
+    store_location(s)
     s.add_argument("--dataset-uri", required=True, help="dataset folder (its validation split is scored)")
     s.set_defaults(fn=_cmd_evaluate)
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from training.datasets import SPLITS, read_meta
+from training.util import sha256_file
 
 # GX logs a line per expectation at INFO; the verdict we print is the readable summary.
 logging.getLogger("great_expectations").setLevel(logging.WARNING)
@@ -189,11 +190,7 @@ def data_files(root: str | Path) -> list[dict[str, Any]]:
     root = Path(root)
     out = []
     for p in sorted(root.rglob("*.parquet")):
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while block := f.read(8 << 20):
-                h.update(block)
-        out.append({"path": p.relative_to(root).as_posix(), "size": p.stat().st_size, "sha256": h.hexdigest()})
+        out.append({"path": p.relative_to(root).as_posix(), "size": p.stat().st_size, "sha256": sha256_file(p)})
     return out
 
 

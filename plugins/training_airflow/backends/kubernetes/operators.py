@@ -87,6 +87,23 @@ class _RunBound:
     def _run_id(self, context: Any) -> str:
         return self.handoff["mlflow_run_id"]
 
+    def _bind_service(self, context: Any):
+        """The Service operators: this run's Service manifest and connection; returns its names."""
+        params = context["params"]
+        names_ = names(params, mlflow_run_id=self._run_id(context), try_number=context["ti"].try_number)
+        apply_kwargs(self, {"yaml_conf": service_yaml(names_), "kubernetes_conn_id": params["kubernetes_conn_id"],
+                            "_namespace": names_.namespace})
+        return names_
+
+    def _provider_execute(self, context: Any, error: type, status: int, fine: str) -> None:
+        """The provider's own execute; an API answer of ``status`` only (409 exists, 404 gone) is fine."""
+        try:
+            super().execute(context)  # type: ignore[misc]  # the provider's operator, next in the MRO
+        except error as e:
+            if not all(getattr(x, "status", None) == status for x in e.api_exceptions):
+                raise
+            log.info("%s", fine)
+
 
 class RendezvousServiceOperator(_RunBound, KubernetesCreateResourceOperator):
     """Create this run's headless Service (a retry finds it already there and goes on)."""
@@ -100,16 +117,9 @@ class RendezvousServiceOperator(_RunBound, KubernetesCreateResourceOperator):
     def execute(self, context: Any) -> dict[str, str]:
         from kubernetes.utils import FailToCreateError
 
-        params = context["params"]
-        names_ = names(params, mlflow_run_id=self._run_id(context), try_number=context["ti"].try_number)
-        apply_kwargs(self, {"yaml_conf": service_yaml(names_), "kubernetes_conn_id": params["kubernetes_conn_id"],
-                            "_namespace": names_.namespace})
-        try:
-            super().execute(context)
-        except FailToCreateError as e:
-            if not all(getattr(x, "status", None) == 409 for x in e.api_exceptions):
-                raise
-            log.info("Service %s/%s already exists (a retried task): reusing it", names_.namespace, names_.service)
+        names_ = self._bind_service(context)
+        self._provider_execute(context, FailToCreateError, 409,
+                               f"Service {names_.namespace}/{names_.service} already exists (a retried task): reusing it")
         # Read it back. The provider retries a failed create with the generator of YAML documents
         # its first attempt consumed, so a retried transient error ends in "Resource was created"
         # with nothing created; this read turns that into a failure (and an Airflow retry).
@@ -139,16 +149,9 @@ class DeleteRendezvousServiceOperator(_RunBound, KubernetesDeleteResourceOperato
     def execute(self, context: Any) -> None:
         from airflow.providers.cncf.kubernetes.utils.delete_from import FailToDeleteError
 
-        params = context["params"]
-        names_ = names(params, mlflow_run_id=self._run_id(context), try_number=context["ti"].try_number)
-        apply_kwargs(self, {"yaml_conf": service_yaml(names_), "kubernetes_conn_id": params["kubernetes_conn_id"],
-                            "_namespace": names_.namespace})
-        try:
-            super().execute(context)
-        except FailToDeleteError as e:
-            if not all(getattr(x, "status", None) == 404 for x in e.api_exceptions):
-                raise
-            log.info("Service %s/%s does not exist (never created or already deleted)", names_.namespace, names_.service)
+        names_ = self._bind_service(context)
+        self._provider_execute(context, FailToDeleteError, 404,
+                               f"Service {names_.namespace}/{names_.service} does not exist (never created or already deleted)")
 
 
 class TrainingJobOperator(_RunBound, KubernetesJobOperator):
