@@ -34,13 +34,29 @@ def load_split(root: str | Path, split: str) -> Split:
         raise FileNotFoundError(f"no Parquet files under {Path(root) / split}")
     label = meta.get("label")
     columns = [*meta["features"], *([label] if label else [])]
-    tables = [pq.read_table(p, columns=columns) for p in parts]
+    tables = []
+    for p in parts:
+        # ParquetFile rather than pq.read_table, whose dataset layer imports pandas.
+        with pq.ParquetFile(p) as f:
+            tables.append(f.read(columns=columns))
     dtype = np.int64 if meta.get("feature_dtype") == "int" else np.float32
     x = np.concatenate(
-        [np.stack([t.column(c).to_numpy() for c in meta["features"]], axis=1) for t in tables]
+        [np.stack([_to_numpy(t.column(c)) for c in meta["features"]], axis=1) for t in tables]
     ).astype(dtype)
-    y = np.concatenate([t.column(label).to_numpy() for t in tables]).astype(np.int64) if label else None
+    y = np.concatenate([_to_numpy(t.column(label)) for t in tables]).astype(np.int64) if label else None
     return Split(features=x, labels=y)
+
+
+def _to_numpy(column) -> np.ndarray:
+    """One Arrow column as a numpy array, through DLPack (no copy) where it applies: pyarrow's
+    ``to_numpy`` goes through its pandas bridge, and importing pandas is about half a second of
+    every rank's start-up. Columns DLPack cannot take (nulls, other types) use ``to_numpy``."""
+    try:
+        if column.num_chunks:
+            return np.concatenate([np.from_dlpack(chunk) for chunk in column.chunks])
+    except (BufferError, TypeError, ValueError, NotImplementedError):
+        pass
+    return column.to_numpy()
 
 
 class ShardedSampler:

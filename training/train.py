@@ -51,6 +51,7 @@ from training.datasets import read_meta
 from training.evaluate import Evaluator
 from training.models import build_model, loss_fn, model_spec, split_batch
 from training.resilience import EXIT_PREEMPTED, FaultReport, Phase, Preempted, Preemption, ReplicaCheck
+from training.startup import StartupClock
 from training.telemetry import StepLog, StepResult, Telemetry
 from training.tracking import logger_for
 
@@ -78,6 +79,8 @@ def _seed_everything(seed: int) -> None:
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Check everything that can be checked, then train. Raises ConfigError before any process
     group exists when the config, the launch size, the hardware or the dataset don't fit."""
+    startup = StartupClock()
+    startup.mark("imports")  # the interpreter's start and the imports (torch, the trainer)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.check_world_size(world)
     cfg.check_device(torch.cuda.is_available())
@@ -89,11 +92,13 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         raise ConfigError("dataset_uri", str(e), "run `python -m training make-data` or fix the path") from None
     cfg.check_dataset(meta)
     train = load_split(cfg.dataset_uri, "train")
+    startup.mark("data")
 
     info = distributed.init(cfg.collective_timeout_s)
+    startup.mark("process_group")  # includes waiting for the slowest rank to arrive
     log.init(info.rank)
     try:
-        return Trainer(cfg, info, meta, train).fit()
+        return Trainer(cfg, info, meta, train, startup=startup).fit()
     finally:
         distributed.cleanup()
 
@@ -101,8 +106,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 class Trainer:
     """Builds the model, its optimizer and the components around the loop; ``fit`` trains."""
 
-    def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, meta: dict[str, Any], train) -> None:
+    def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, meta: dict[str, Any], train,
+                 startup: StartupClock | None = None) -> None:
         self.cfg, self.info, self.kind = cfg, info, meta["kind"]
+        self.startup = startup or StartupClock()
         self.phase = Phase()
         _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
         self.spec = model_spec(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads, dropout=cfg.dropout)
@@ -118,7 +125,9 @@ class Trainer:
         self.micro_batch = cfg.batch_size // info.world_size // cfg.grad_accum
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
+        self.startup.mark("model")  # built, wrapped (DDP broadcasts rank 0's weights), optimizer
         self.mlflow = logger_for(info.is_main)
+        self.startup.mark("mlflow")  # MLflow's import and connection (none when the launcher relays)
         self.metrics_log = metrics.OnceLogger(self.mlflow)  # a replayed step is not logged twice
         out = Path(cfg.output_dir) if cfg.output_dir else None
         clock = metrics.RunClock(out) if info.is_main else None  # survives restarts: run start, target hit
@@ -138,12 +147,14 @@ class Trainer:
         self.after_step: list[Callable[[int], None]] = []  # after the step is recorded
         self.before_optimizer: list[Callable[[int], None]] = []  # gradients ready, before unscaling
         faults.install(self)
+        self.startup.mark("components")  # checkpointer, telemetry, evaluator (reads the validation split)
 
     def fit(self) -> dict[str, Any]:
         """Resume from the latest complete checkpoint (if any), train up to ``cfg.steps``, write
         the final checkpoint with the exported model; returns the run summary."""
         wall_start = time.perf_counter()
         resumed_from, rng_restored = self.checkpointer.resume(self.state)
+        self.startup.mark("resume")
         if not rng_restored:
             # Fresh start, or a checkpoint from fewer ranks: per-rank streams (dropout) derived from
             # seed, step and rank, so they differ across ranks and are reproducible.
@@ -154,6 +165,10 @@ class Trainer:
             if report is not None:
                 self.after_step.insert(0, report)  # before an injected fault of the same step
         self.telemetry.start(resumed_from)
+        self.startup.mark("telemetry")  # params logged, peak FLOP/s, system metrics started
+        if self.info.is_main:
+            log.logger.info(self.startup.line())
+            self.metrics_log.log_metrics(self.startup.metrics(), step=self.state.step)
         self.preemption.arm()
         try:
             with self.phase.names_failures(self.info, lambda: self.state.step):

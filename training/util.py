@@ -1,5 +1,6 @@
 """Small helpers written once for the package, its tests and benchmarks: a free loopback port,
-waiting for a port to listen, an atomic file write and the sha256 of a file."""
+waiting for a port to listen, an atomic file write, the sha256 of a file and the folder for
+what is kept between runs on this machine."""
 
 from __future__ import annotations
 
@@ -48,3 +49,12 @@ def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def machine_cache_dir() -> Path:
+    """Where results worth keeping between runs on this machine live (a measured peak FLOP/s, the
+    data gate's verdicts): ``TRAINING_CACHE_DIR``, else ``$XDG_CACHE_HOME/airflow-distributed-training``
+    (``~/.cache/...``). Everything in it can be deleted; it is measured or computed again."""
+    if os.environ.get("TRAINING_CACHE_DIR"):
+        return Path(os.environ["TRAINING_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "airflow-distributed-training"

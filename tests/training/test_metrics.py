@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import run_torchrun
 from training.config import ConfigError, TrainConfig
-from training.metrics import _table_peak, lineage_summary
+from training.metrics import _table_peak, lineage_summary, peak_flops
 
 PROGRESS = re.compile(r"^step (\d+)/\d+ \| loss [0-9.]+ \| (\d+) samples/s")
 BATCH = 64
@@ -50,6 +50,7 @@ def _new_run(name: str) -> str:
 def _timed_run(dataset, root: Path, *, env: dict[str, str] | None = None, **extra) -> dict:
     """One torchrun launch; every stdout line with the time this process read it."""
     run_id = _new_run(root.name)
+    launched = time.monotonic()
     proc = run_torchrun(2, _sets(dataset, root, **extra), env={"MLFLOW_RUN_ID": run_id, **(env or {})}, popen=True)
     lines = []
     deadline = time.monotonic() + 400
@@ -59,7 +60,7 @@ def _timed_run(dataset, root: Path, *, env: dict[str, str] | None = None, **extr
     proc.wait(timeout=60)
     out = "\n".join(text for _, text in lines)
     assert proc.returncode == 0, out[-4000:]
-    return {"run_id": run_id, "lines": lines, "stdout": out, "root": root}
+    return {"run_id": run_id, "lines": lines, "stdout": out, "root": root, "launched": launched}
 
 
 def _history(run_id: str, key: str) -> list:
@@ -134,6 +135,23 @@ def test_reported_throughput_matches_wall_clock_between_progress_lines(runs):
         window_s = sum((b[1] - a[1]) * BATCH / b[2] for a, b in zip(progress, progress[1:]))
         reported = (s1 - s0) * BATCH / window_s
         assert reported == pytest.approx(outside, rel=0.05), (reported, outside)
+
+
+@pytest.mark.slow
+def test_startup_phases_add_up_inside_the_launch_to_first_progress_line(runs):
+    """startup/*: rank 0's phases from its process start to the first step sum to startup/total_s,
+    which fits between torchrun's launch and the first progress line (read here, 10 steps later)."""
+    run = runs["base"]
+    metrics = MlflowClient().get_run(run["run_id"]).data.metrics
+    phases = {k: v for k, v in metrics.items() if k.startswith("startup/") and k != "startup/total_s"}
+    assert {"startup/imports_s", "startup/data_s", "startup/process_group_s", "startup/model_s",
+            "startup/mlflow_s"} <= set(phases), sorted(phases)
+    assert all(v >= 0 for v in phases.values()) and metrics["startup/imports_s"] > 0
+    assert sum(phases.values()) == pytest.approx(metrics["startup/total_s"], abs=1e-6)
+    first_line = next(t for t, text in run["lines"] if PROGRESS.match(text))
+    assert 0 < metrics["startup/total_s"] < first_line - run["launched"]
+    assert _history(run["run_id"], "startup/total_s")[0].step == 0
+    assert f"startup: {metrics['startup/total_s']:.2f}s from process start to the first step" in run["stdout"]
 
 
 @pytest.mark.slow
@@ -240,6 +258,28 @@ def test_lineage_summary_counts_replayed_steps_and_downtime_as_lost():
     assert got["productive_s"] == 4.0  # steps 1, 2 (A) and 3, 4 (B)
     assert got["lost_to_restarts_s"] == 8.0  # from the end of step 2 (t=2) to the start of the redone step 3 (t=10)
     assert got["goodput"] == pytest.approx(4.0 / 12.0)
+
+
+def test_a_measured_peak_is_kept_per_machine_threads_and_precision(tmp_path, monkeypatch):
+    """A second run on the same machine, precision and thread count reuses the measured peak (its
+    own run folder keeps it too, for restarts); another thread count or precision measures anew."""
+    import training.metrics as m
+
+    measured = []
+    monkeypatch.setenv("TRAINING_CACHE_DIR", str(tmp_path / "machine"))
+    monkeypatch.setattr(m, "measure_matmul_flops", lambda device, precision: measured.append(precision) or 1e9 * len(measured))
+    cpu, threads = torch.device("cpu"), torch.get_num_threads()
+    first = peak_flops(cpu, "fp32", tmp_path / "run1" / "peak_flops.json")
+    second = peak_flops(cpu, "fp32", tmp_path / "run2" / "peak_flops.json")
+    assert first == second == (1e9, f"measured: cpu matmul 512x512 fp32, {threads} threads") and measured == ["fp32"]
+    assert json.loads((tmp_path / "run2" / "peak_flops.json").read_text())["peak_flops"] == 1e9
+    assert peak_flops(cpu, "bf16", None)[0] == 2e9 and measured == ["fp32", "bf16"]
+    try:
+        torch.set_num_threads(threads + 1)
+        assert peak_flops(cpu, "fp32", None)[0] == 3e9, "another thread count is another peak"
+    finally:
+        torch.set_num_threads(threads)
+    assert peak_flops(cpu, "fp32", None)[0] == 1e9 and len(measured) == 3
 
 
 def test_peak_table_picks_the_gpu_and_precision():

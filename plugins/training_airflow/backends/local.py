@@ -65,17 +65,39 @@ def rank_env(nproc: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_streaming(cmd: list[str], *, env: dict[str, str], cwd: str | Path, tail_lines: int = 200) -> LaunchResult:
-    """Run ``cmd`` in its own process group, log each output line, kill the group on exit."""
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, without importing torch (a second or more) on a worker that
+    has no NVIDIA driver at all."""
+    if not (Path("/proc/driver/nvidia").exists() or any(Path("/dev").glob("nvidia[0-9]*"))):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run_streaming(cmd: list[str], *, env: dict[str, str], cwd: str | Path, tail_lines: int = 200,
+                  relay_run_id: str | None = None) -> LaunchResult:
+    """Run ``cmd`` in its own process group, log each output line, kill the group on exit.
+
+    With ``relay_run_id`` the lines rank 0 relays (``training.tracking.RelayLogger``) are applied
+    to that MLflow run here instead of being logged; the ranks are started first, so this
+    process's MLflow set-up overlaps their start."""
     log.info("launching: %s", " ".join(cmd))
     t0 = time.perf_counter()
     tail: deque[str] = deque(maxlen=tail_lines)
     proc = subprocess.Popen(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
+    relay = None
     try:
+        if relay_run_id is not None:
+            from training.tracking import RelayReceiver
+
+            relay = RelayReceiver(relay_run_id)
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip("\n")
+            if relay is not None and relay.handle(line):
+                continue
             tail.append(line)
             log.info("%s", line)
         rc = proc.wait()
@@ -83,6 +105,8 @@ def run_streaming(cmd: list[str], *, env: dict[str, str], cwd: str | Path, tail_
         # The task may be stopped (timeout, mark-failed, SIGTERM): never leave ranks behind.
         if proc.poll() is None:
             _stop_group(proc)
+        if relay is not None:
+            relay.close()
     return LaunchResult(returncode=rc, wall_s=time.perf_counter() - t0, tail=list(tail))
 
 
@@ -145,9 +169,8 @@ def failure_reason(result: LaunchResult) -> str:
 @fails_fast
 def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
     """Start torchrun with ``world_size`` ranks; a retry resumes from the latest local checkpoint."""
-    import torch
-
     from training.launch import torchrun_command
+    from training.tracking import RELAY_ENV
     from training.util import free_port
 
     settings.ensure_tracking_uri()
@@ -155,7 +178,7 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
     run_dir = context.work_dir(run_id)
     cfg = context.train_config(params, dataset_uri=opened["dataset_uri"], checkpoint_dir=str(run_dir / "checkpoints"),
                                output_dir=str(run_dir / "output"))
-    cfg.check_device(torch.cuda.is_available())  # the ranks run on this machine: refuse what it cannot do
+    cfg.check_device(cuda_available())  # the ranks run on this machine: refuse what it cannot do
     config_path = run_dir / "train_config.json"
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -164,9 +187,10 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
     cmd = torchrun_command(["--config", str(config_path)], nproc_per_node=nproc,
                            max_restarts=int(params["max_restarts"]), master_port=free_port())
     # S3 settings of aws_conn_id (if any) travel as environment of the ranks, never as arguments.
+    # Rank 0's MLflow calls come back through stdout and are applied by this process's client.
     env = rank_env(nproc, {**context.store_env(params), "MLFLOW_RUN_ID": run_id,
-                           "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]})
-    result = run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT)
+                           "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"], RELAY_ENV: "stdout"})
+    result = run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT, relay_run_id=run_id)
     if result.returncode != 0:
         raise explain_failure(result)
 
