@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -470,3 +471,68 @@ def validate(dataset_uri: str, *, min_rows: int | None = None, docs_dir: str | P
     if report["success"]:
         return report
     raise DataValidationError(report)
+
+
+# --------------------------------------------------------------------------- verdicts kept between runs
+
+
+def gate_key(dataset_uri: str | Path, files: list[dict[str, Any]], min_rows: int | None = None) -> str:
+    """What a verdict depends on: the data files' bytes (``fingerprint``), ``dataset.json`` (the
+    schema), this module's code, the Great Expectations version and ``min_rows``."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256()
+    for part in (fingerprint(dataset_uri, files), sha256_file(Path(dataset_uri) / "dataset.json"),
+                 sha256_file(__file__), version("great_expectations"), str(min_rows)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+def validate_cached(dataset_uri: str, *, cache_dir: str | Path, min_rows: int | None = None,
+                    docs_dir: str | Path | None = None) -> dict[str, Any]:
+    """``validate``, run once per dataset content and suite: a passed verdict (and its Data Docs)
+    is kept in ``cache_dir`` under ``gate_key`` and returned again while neither the data bytes,
+    ``dataset.json``, the gate's code nor GX changed (hashing the files is all a repeat costs;
+    the suite itself, with GX's import, takes seconds). The returned verdict then carries
+    ``cached_from`` (when and where that verdict was reached). A failed verdict is never kept:
+    the gate runs again and reports afresh."""
+    import json
+    import shutil
+    import time
+
+    try:
+        files = data_files(dataset_uri)
+        key = gate_key(dataset_uri, files, min_rows)
+    except OSError:  # no dataset.json, unreadable files: the gate itself says what is wrong
+        return validate(dataset_uri, min_rows=min_rows, docs_dir=docs_dir)
+    entry = Path(cache_dir) / key
+    try:
+        report = json.loads((entry / "report.json").read_text())
+    except (OSError, ValueError):
+        report = None
+    if report is not None and docs_dir is not None and not (entry / "data_docs" / "index.html").is_file():
+        report = None  # kept without Data Docs, wanted with them: run the gate once more
+    if report is not None:
+        report["cached_from"] = {"validated_unix": report.pop("validated_unix", None),
+                                 "dataset_uri": report["dataset_uri"]}
+        report["dataset_uri"] = str(dataset_uri)
+        report["data_docs"] = None
+        if docs_dir is not None:
+            shutil.copytree(entry / "data_docs", docs_dir, dirs_exist_ok=True)
+            report["data_docs"] = str(Path(docs_dir) / "index.html")
+        return report
+    report = validate(dataset_uri, min_rows=min_rows, docs_dir=docs_dir)  # raises when it fails
+    tmp = Path(cache_dir) / f".{key}.{os.getpid()}.tmp"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if report.get("data_docs"):
+            # The HTML and style sheet; GX's bundled fonts and images (~4 MB) are not kept.
+            shutil.copytree(docs_dir, tmp / "data_docs", ignore=shutil.ignore_patterns("fonts", "images"))
+        (tmp / "report.json").write_text(json.dumps({**report, "validated_unix": time.time()}))
+        shutil.rmtree(entry, ignore_errors=True)  # one kept without Data Docs
+        tmp.rename(entry)  # whole entries only; a concurrent writer's entry is as good as ours
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        logging.getLogger(__name__).warning("data gate verdict not cached in %s (%s)", cache_dir, e)
+    return report

@@ -29,6 +29,9 @@ def _record_verdict(logger, report: dict[str, Any], docs_dir: str) -> None:
     with observed values, every file's sha256, row counts) and GX's Data Docs under data_docs/."""
     tags = {"data.validation": "passed" if report["success"] else "failed",
             "data.failed_expectations": len(report["failures"])}
+    if report.get("cached_from"):  # the same bytes and suite passed before: that verdict, not a new run
+        tags["data.validation_reused_from"] = datetime.fromtimestamp(
+            report["cached_from"]["validated_unix"] or 0, timezone.utc).isoformat(timespec="seconds")
     if report.get("fingerprint"):
         tags["data.fingerprint"] = report["fingerprint"]
     for split, rows in report.get("rows", {}).items():
@@ -51,7 +54,8 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, datas
     settings.ensure_tracking_uri()
     from training.config import check_path_part
     from training.tracking import open_run
-    from training.validation import DataValidationError, validate
+    from training.util import machine_cache_dir
+    from training.validation import DataValidationError, validate_cached
 
     dataset = settings.resolve_path(dataset_uri or params["dataset_uri"])
     params = {**params, "dataset_uri": dataset}
@@ -67,13 +71,14 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, datas
     lifecycle.reconcile(logger.client.get_run(run_id).info.experiment_id, dag_id=dag_id, current_run_id=dag_run_id)
     with tempfile.TemporaryDirectory(prefix="gx-docs-") as docs:
         try:
-            report = validate(dataset, docs_dir=docs)
+            report = validate_cached(dataset, cache_dir=machine_cache_dir() / "data_gate", docs_dir=docs)
         except DataValidationError as e:
             _record_verdict(logger, e.report, docs)
             logger.finish("FAILED")
             raise
         _record_verdict(logger, report, docs)
-    log.info("data gate passed: %s rows, fingerprint %s", report["rows"], report["fingerprint"][:16])
+    log.info("data gate passed: %s rows, fingerprint %s%s", report["rows"], report["fingerprint"][:16],
+             " (the verdict of an earlier run on the same bytes and suite)" if report.get("cached_from") else "")
     return Opened(mlflow_run_id=run_id, dataset_uri=dataset, dataset_fingerprint=report["fingerprint"])
 
 

@@ -256,3 +256,36 @@ def test_cli_uses_the_schema_minimum_and_builds_docs(clean, tmp_path):
     assert "  - validation: expect_table_row_count_to_be_between: observed 500, allowed {'min_value': 1000}" in bad.stderr
     assert (tmp_path / "docs" / "index.html").is_file()
     assert validate(str(data), min_rows=400)["success"]  # what --min-rows 400 passes on
+
+
+def test_a_passed_verdict_is_reused_until_the_data_schema_or_suite_changes(clean, tmp_path, monkeypatch):
+    """validate_cached: the second gate on the same bytes returns the first verdict (and its Data
+    Docs) without running GX; new data, a changed dataset.json or another min_rows run it again;
+    a failed verdict is never kept."""
+    import training.validation as v
+    from training.validation import validate_cached
+
+    runs = []
+    monkeypatch.setattr(v, "validate", lambda *a, **kw: runs.append(a) or validate(*a, **kw))
+    data, cache = _copy(clean, tmp_path / "d"), tmp_path / "cache"
+
+    first = validate_cached(str(data), cache_dir=cache, docs_dir=tmp_path / "docs1")
+    again = validate_cached(str(data), cache_dir=cache, docs_dir=tmp_path / "docs2")
+    assert len(runs) == 1 and "cached_from" not in first
+    assert again["cached_from"]["validated_unix"] > 0 and again["cached_from"]["dataset_uri"] == str(data)
+    assert {k: again[k] for k in ("success", "rows", "files", "fingerprint", "schema")} == \
+        {k: first[k] for k in ("success", "rows", "files", "fingerprint", "schema")}
+    assert again["data_docs"] == str(tmp_path / "docs2" / "index.html") and (tmp_path / "docs2" / "index.html").is_file()
+    assert len(sorted((tmp_path / "docs2" / "validations").rglob("*.html"))) == 2  # the first run's pages
+
+    assert validate_cached(str(data), cache_dir=cache, min_rows=400)["success"] and len(runs) == 2
+    meta = json.loads((data / "dataset.json").read_text())
+    (data / "dataset.json").write_text(json.dumps({**meta, "label_noise": 0.2}))  # the schema's file changed
+    validate_cached(str(data), cache_dir=cache)
+    assert len(runs) == 3
+
+    bad = _rewrite(clean, tmp_path / "bad", "train", lambda df: df.assign(f1=df["f1"].where(df.index >= 4)))
+    for _ in range(2):
+        with pytest.raises(DataValidationError):
+            validate_cached(str(bad), cache_dir=cache)
+    assert len(runs) == 5, "a failed verdict is not kept: the gate runs each time"
