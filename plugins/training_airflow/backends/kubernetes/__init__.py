@@ -24,25 +24,30 @@ from typing import Any
 
 from airflow.sdk import TaskGroup, task
 
-from training_airflow.backends.kubernetes import checks
-from training_airflow.backends.kubernetes.operators import (
-    DeleteRendezvousServiceOperator,
-    RendezvousServiceOperator,
-    TrainingJobOperator,
-    UploadPodOperator,
-    confirm_commit,
-)
 from training_airflow.backends.kubernetes.params import KubernetesParams
 
 PARAMS = KubernetesParams
+# checks and operators import the kubernetes client and the provider (about half a second): only
+# where they are used, so that reading this backend's form fields (params.run_tags in every run's
+# first task) stays cheap.
 
 
 def check_params(params: dict[str, Any]) -> int:
+    from training_airflow.backends.kubernetes import checks
+
     return checks.check_params(params, worker_tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
 
 
 def train_and_commit(opened: Any) -> Any:
     """Task group ``kubernetes``; returns the XComArg of the Handoff."""
+    from training_airflow.backends.kubernetes.operators import (
+        DeleteRendezvousServiceOperator,
+        RendezvousServiceOperator,
+        TrainingJobOperator,
+        UploadPodOperator,
+        confirm_commit,
+    )
+
     with TaskGroup("kubernetes", prefix_group_id=False,
                    tooltip="Indexed Job of k8s_nnodes pods, an upload pod, the rendezvous Service around them"):
         create = RendezvousServiceOperator(task_id="create_rendezvous_service", handoff=opened)
