@@ -1,7 +1,13 @@
-"""Overhead of the trainer against a bare hand-written DDP loop: same model, same data, same
-batch, same ranks, in the same invocation. Goal: trainer / bare >= 0.97.
+"""The trainer against what users would pick instead: a bare hand-written DDP loop and PyTorch
+Lightning's DDP Trainer; same model, same data, same batch, same ranks, in the same invocation.
+Goals on the demo's own configuration (the trainer's default model, global batch 64, 2 ranks):
+trainer / bare >= 0.97 and trainer / Lightning >= 2.
 
-    .venv/bin/python benchmarks/overhead_bench.py [--model mlp|transformer] [--world 2] [--steps 600] [--repeats 5]
+    .venv/bin/python benchmarks/overhead_bench.py [--model mlp|transformer] [--world 2] [--steps 2000] [--repeats 5]
+    .venv/bin/python benchmarks/overhead_bench.py --batch-size 256 --hidden 256 --depth 3   # a larger step
+
+Lightning is a benchmark-only dependency (requirements-bench.txt); without it the Lightning
+column is skipped.
 
 The bare loop (``--bare``, run under torchrun by this script) is what one would write by hand
 for the same recipe: DDP with the default all-reduce, AdamW, the same warm-up/cosine LR schedule
@@ -9,8 +15,18 @@ and gradient clipping as the trainer's defaults, zero_grad / forward / backward 
 schedule, nothing else. So both do the same arithmetic and the ratio is the price of what the
 trainer adds: the comm timing hook, the preemption agreement, the per-step record, window
 metrics and progress lines (run without MLflow). Both skip the first ``--log-every`` steps (warm-up) and time the rest as the
-slowest rank saw it. Runs alternate (trainer, bare, trainer, bare, ...) so that drift in the
-machine's load hits both; the ratio printed is the median of the per-pair ratios.
+slowest rank saw it.
+
+The Lightning run (``--lightning``, under torchrun like the others: Lightning's DDP strategy
+joins torchrun's process group) is a ``LightningModule`` around the same model with the same
+optimizer, LR schedule (stepped every step) and clipping (``gradient_clip_val``), trained by
+``Trainer(strategy="ddp", accelerator="cpu")`` with its logger, checkpointing, progress bar,
+model summary and sanity check off. Its data is the same in-memory split served a whole
+per-rank batch at a time (a map-style dataset of batches, ``batch_size=None``), as one would
+write it for data that fits in memory: per-sample indexing and collation would make Lightning
+several times slower still and measure the data path, not the trainer. A callback times it like
+the bare loop. Runs alternate (trainer, bare, Lightning, trainer, ...) so that drift in the
+machine's load hits all of them; each ratio printed is the median of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -64,11 +80,82 @@ def trainer_rate(a, data: Path, tmp: Path, i: int) -> float:
     return samples / seconds
 
 
-def bare_rate(a, data: Path) -> float:
-    out = _torchrun(a.world, ["--bare", "--data", str(data),
+def baseline_rate(a, data: Path, mode: str) -> float:
+    """samples/s of this script run under torchrun as ``--bare`` or ``--lightning``."""
+    out = _torchrun(a.world, [f"--{mode}", "--data", str(data),
                               *[x for k, v in _model_sets(a).items() for x in (f"--{k.replace('_', '-')}", str(v))],
                               "--steps", str(a.steps), "--log-every", str(a.log_every)], entry=[str(Path(__file__).resolve())])
     return json.loads(out.strip().splitlines()[-1])["samples_per_s"]
+
+
+def lightning_loop(a) -> None:
+    """The same recipe with PyTorch Lightning's DDP Trainer (one rank of it)."""
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+
+    from training.config import TrainConfig
+    from training.data import load_split
+    from training.datasets import read_meta
+    from training.models import build_model, loss_fn, model_spec, split_batch
+    from training.train import lr_lambda
+
+    recipe = TrainConfig(steps=a.steps, dataset_uri=a.data, checkpoint_dir="unused")
+    meta = read_meta(a.data)
+    train = load_split(a.data, "train")
+    x = torch.from_numpy(train.features)
+    y = torch.from_numpy(train.labels) if train.labels is not None else None
+    world = int(os.environ["WORLD_SIZE"])
+    local = a.batch_size // world
+
+    class Batches(torch.utils.data.Dataset):
+        """Whole per-rank batches of a fixed permutation: one __getitem__ per step."""
+
+        def __init__(self) -> None:
+            self.perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))
+
+        def __len__(self) -> int:
+            return len(x) // local
+
+        def __getitem__(self, i: int):
+            idx = self.perm[i * local:(i + 1) * local]
+            return x[idx], (y[idx] if y is not None else x[idx])
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1234)
+            self.model = build_model(model_spec(a.model, meta, hidden=a.hidden, depth=a.depth, n_heads=a.n_heads,
+                                                dropout=0.0))
+
+        def training_step(self, batch, _):
+            xb, yb = batch
+            inputs, target = split_batch(meta["kind"], xb, yb if y is not None else None)
+            return loss_fn(self.model(inputs), target)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            if trainer.global_step == a.log_every and not hasattr(self, "t0"):
+                self.t0 = time.perf_counter()
+
+        def on_train_end(self, trainer, module) -> None:
+            elapsed = torch.tensor([time.perf_counter() - self.t0], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if trainer.global_rank == 0:
+                print(json.dumps({"samples_per_s": a.batch_size * (a.steps - a.log_every) / float(elapsed)}), flush=True)
+
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=a.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, gradient_clip_val=recipe.grad_clip, callbacks=[Clock()])
+    loader = torch.utils.data.DataLoader(Batches(), batch_size=None, shuffle=True)
+    trainer.fit(Module(), loader)
+    sys.stdout.flush()
+    os._exit(0)  # as the bare loop: the measurement is complete; no process-group teardown at exit
 
 
 def bare_loop(a) -> None:
@@ -120,36 +207,55 @@ def bare_loop(a) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
+    from training.config import TrainConfig
+
+    ap.add_argument("--model", choices=["mlp", "transformer"], default=TrainConfig.model)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--log-every", type=int, default=20)
-    ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--depth", type=int, default=3)
-    ap.add_argument("--n-heads", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    ap.add_argument("--hidden", type=int, default=TrainConfig.hidden)
+    ap.add_argument("--depth", type=int, default=TrainConfig.depth)
+    ap.add_argument("--n-heads", type=int, default=TrainConfig.n_heads)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-lightning", action="store_true", help="skip the Lightning runs")
     ap.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--lightning", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.bare:
         bare_loop(a)
         return 0
+    if a.lightning:
+        lightning_loop(a)
+        return 0
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        if not a.no_lightning:
+            print("lightning is not installed (pip install -r requirements-bench.txt): its column is skipped")
+        a.no_lightning = True
     tmp = Path(tempfile.mkdtemp(prefix="overhead-bench-"))
     data = tmp / "data"
     kind = ["--kind", "markov", "--train-rows", "4000", "--val-rows", "100"] if a.model == "transformer" else []
     subprocess.run([sys.executable, "-m", "training", "make-data", "--out", str(data), *kind], check=True,
                    capture_output=True, cwd=ROOT)
     print(f"{a.model} hidden={a.hidden} depth={a.depth}, batch {a.batch_size}, {a.world} ranks, {a.steps} steps "
-          f"(first {a.log_every} not timed)")
-    ratios = []
+          f"(first {a.log_every} not timed)  [load {os.getloadavg()[0]:.2f}]")
+    ratios, lightning_ratios = [], []
     for i in range(a.repeats):
         ours = trainer_rate(a, data, tmp, i)
-        bare = bare_rate(a, data)
+        bare = baseline_rate(a, data, "bare")
         ratios.append(ours / bare)
-        print(f"  pair {i + 1}: trainer {ours:8.0f} samples/s | bare loop {bare:8.0f} samples/s | ratio {ours / bare:.3f}",
-              flush=True)
-    print(f"trainer / bare loop (median of {a.repeats} pairs): {statistics.median(ratios):.3f}  (goal >= 0.97)")
+        line = f"  round {i + 1}: trainer {ours:8.0f} samples/s | bare loop {bare:8.0f} | trainer/bare {ours / bare:.3f}"
+        if not a.no_lightning:
+            light = baseline_rate(a, data, "lightning")
+            lightning_ratios.append(ours / light)
+            line += f" | Lightning {light:8.0f} | trainer/Lightning {ours / light:.2f}"
+        print(f"{line}  [load {os.getloadavg()[0]:.2f}]", flush=True)
+    print(f"trainer / bare loop (median of {a.repeats} rounds): {statistics.median(ratios):.3f}  (goal >= 0.97)")
+    if lightning_ratios:
+        print(f"trainer / Lightning (median of {a.repeats} rounds): {statistics.median(lightning_ratios):.2f}  (goal >= 2)")
     return 0
 
 

