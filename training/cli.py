@@ -165,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--strategies", nargs="+", default=["ddp"], choices=choices(TrainConfig, "strategy"))
     s.add_argument("--precisions", nargs="+", default=["fp32"], choices=choices(TrainConfig, "precision"))
     s.add_argument("--comm-hooks", nargs="+", default=["none"], choices=choices(TrainConfig, "comm_hook"))
+    s.add_argument("--bucket-caps", type=float, nargs="+", default=[25.0], metavar="MB",
+                   help="DDP gradient bucket sizes (bucket_cap_mb) to sweep")
+    s.add_argument("--hidden", type=int, help="model width (default: the trainer's)")
+    s.add_argument("--depth", type=int, help="layers or blocks (default: the trainer's)")
+    s.add_argument("--n-heads", type=int, help="attention heads of the transformer (default: the trainer's)")
+    s.add_argument("--repeats", type=int, default=1, help="rounds of the whole grid; the table shows medians")
     s.add_argument("--steps", type=int, default=100, help="optimizer steps per point")
     s.add_argument("--batch-size", type=int, default=64, help="global batch size")
     s.add_argument("--log-every", type=int, default=10, help="log interval (steps)")

@@ -1,0 +1,97 @@
+"""Gradient communication that overlaps backward: DDP bucket sizes and fp16 compression, side by side.
+
+    .venv/bin/python benchmarks/comm_bench.py [--hidden 256] [--depth 4] [--caps 25 1 0.5] [--repeats 3]
+
+The transformer (d_model ``--hidden``, ``--depth`` blocks: 3.2M parameters, 12.6 MB of fp32
+gradients at the defaults) on Markov token data, 2 gloo ranks, each point a real torchrun run of
+the trainer logging to its own MLflow run (``training.bench``: the same sweep as
+``python -m training bench --bucket-caps ... --comm-hooks none fp16 --repeats N``). Rounds
+alternate every setting; figures are medians over the rounds of each run's log windows after the
+first. Printed per setting: collectives per step (buckets), time a collective was in flight,
+exposed time (what the step waited for after backward had no compute left), exposed / in flight
+(goal <= 0.60 with >= 4 buckets; 1.0 means nothing was hidden) and samples/s; then fp16
+compression's exposed time over the uncompressed one's at each bucket size, per round and the
+median (goal <= 0.7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--caps", type=float, nargs="+", default=[25.0, 1.0, 0.5], help="bucket_cap_mb values")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="comm-bench-"))
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.pop("MLFLOW_RUN_ID", None)
+    from mlflow.tracking import MlflowClient
+
+    from training.bench import _after_warmup, grid, run_sweep, summarize, summary_table
+    from training.tracking import get_or_create_experiment
+
+    data = work / "markov"
+    subprocess.run([sys.executable, "-m", "training", "make-data", "--kind", "markov", "--out", str(data),
+                    "--train-rows", "4000", "--val-rows", "200"], check=True, capture_output=True, cwd=ROOT)
+    base = {"dataset_uri": str(data), "model": "transformer", "hidden": a.hidden, "depth": a.depth, "n_heads": 4,
+            "steps": a.steps, "batch_size": a.batch_size, "log_every": 10, "checkpoint_every": 0, "eval_every": 0}
+    points, skipped = grid([2], ["ddp"], ["fp32"], ["none", "fp16"], base=base, cuda=False, bucket_caps=a.caps,
+                           repeats=a.repeats)
+    assert not skipped, skipped
+    client = MlflowClient()
+    parent = client.create_run(get_or_create_experiment("comm_bench"), run_name="comm bench").info.run_id
+    load0 = os.getloadavg()[0]
+    print(f"transformer d={a.hidden} x {a.depth} blocks, batch {a.batch_size}, 2 gloo ranks, {a.steps} steps, "
+          f"{a.repeats} rounds of {len(points) // a.repeats} settings  [load {load0:.2f} at the start]", flush=True)
+    results = run_sweep(experiment="comm_bench", parent_run_id=parent, points=points, base=base, work=work / "points",
+                        echo=lambda line: None)
+    print(f"[load {os.getloadavg()[0]:.2f} at the end]")
+    failed = [r["point"] for r in results if r["status"] != "FINISHED"]
+    if failed:
+        raise SystemExit(f"points failed: {failed}; logs under {work / 'points'}")
+    summary = summarize(results, client)
+    print(summary_table(summary))
+
+    print("\ngoal 1: with >= 4 buckets, exposed / in flight <= 0.60 (1.00 = nothing hidden)")
+    for setting, m in summary.items():
+        if setting.endswith(("-none", *(f"-none-b{c:g}" for c in a.caps))):
+            verdict = "meets" if m.get("comm/collectives_per_step", 0) >= 4 and m.get("exposed/comm", 1) <= 0.6 else "-"
+            print(f"  {setting:<34} {m.get('comm/collectives_per_step', 0):4.0f} buckets  exposed/comm "
+                  f"{m.get('exposed/comm', float('nan')):.2f}  {verdict}")
+
+    print("\ngoal 2: fp16 compression's exposed time / uncompressed, same bucket size, per round (<= 0.7)")
+    exposed = {(r["setting"], r["point"]): _after_warmup(client, r["run_id"], "comm/exposed_s_per_step") for r in results}
+    for cap in a.caps:
+        none_key, fp16_key = (p.setting for p in points[:len(points) // a.repeats]
+                              if p.bucket_cap_mb == cap and p.comm_hook in ("none", "fp16"))
+        ratios = []
+        for rnd in range(1, a.repeats + 1):
+            suffix = f"-r{rnd}" if rnd > 1 else ""
+            n, f = exposed.get((none_key, none_key + suffix)), exposed.get((fp16_key, fp16_key + suffix))
+            if n and f is not None:
+                ratios.append(f / n)
+        if ratios:
+            print(f"  bucket_cap_mb {cap:g}: rounds {' '.join(f'{x:.2f}' for x in ratios)}  median "
+                  f"{statistics.median(ratios):.2f}")
+    print(f"\nruns: MLflow {os.environ['MLFLOW_TRACKING_URI']} experiment comm_bench, logs under {work / 'points'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
