@@ -24,8 +24,9 @@ optimizer, LR schedule (stepped every step) and clipping (``gradient_clip_val``)
 model summary and sanity check off. Its data is the same in-memory split served a whole
 per-rank batch at a time (a map-style dataset of batches, ``batch_size=None``), as one would
 write it for data that fits in memory: per-sample indexing and collation would make Lightning
-several times slower still and measure the data path, not the trainer. A callback times it like
-the bare loop. Runs alternate (trainer, bare, Lightning, trainer, ...) so that drift in the
+several times slower still and measure the data path, not the trainer (``--lightning-loader
+samples`` measures that way: a DataLoader over a TensorDataset of rows, as Lightning's tutorials
+write it). A callback times it like the bare loop. Runs alternate (trainer, bare, Lightning, trainer, ...) so that drift in the
 machine's load hits all of them; each ratio printed is the median of the per-round ratios.
 """
 
@@ -82,7 +83,7 @@ def trainer_rate(a, data: Path, tmp: Path, i: int) -> float:
 
 def baseline_rate(a, data: Path, mode: str) -> float:
     """samples/s of this script run under torchrun as ``--bare`` or ``--lightning``."""
-    out = _torchrun(a.world, [f"--{mode}", "--data", str(data),
+    out = _torchrun(a.world, [f"--{mode}", "--data", str(data), "--lightning-loader", a.lightning_loader,
                               *[x for k, v in _model_sets(a).items() for x in (f"--{k.replace('_', '-')}", str(v))],
                               "--steps", str(a.steps), "--log-every", str(a.log_every)], entry=[str(Path(__file__).resolve())])
     return json.loads(out.strip().splitlines()[-1])["samples_per_s"]
@@ -152,7 +153,11 @@ def lightning_loop(a) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=a.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, gradient_clip_val=recipe.grad_clip, callbacks=[Clock()])
-    loader = torch.utils.data.DataLoader(Batches(), batch_size=None, shuffle=True)
+    if a.lightning_loader == "samples":  # the tutorial's way: a DataLoader over the rows, default collation
+        rows = torch.utils.data.TensorDataset(x, y if y is not None else x)
+        loader = torch.utils.data.DataLoader(rows, batch_size=local, shuffle=True, drop_last=True)
+    else:
+        loader = torch.utils.data.DataLoader(Batches(), batch_size=None, shuffle=True)
     trainer.fit(Module(), loader)
     sys.stdout.flush()
     os._exit(0)  # as the bare loop: the measurement is complete; no process-group teardown at exit
@@ -219,6 +224,8 @@ def main() -> int:
     ap.add_argument("--n-heads", type=int, default=TrainConfig.n_heads)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-lightning", action="store_true", help="skip the Lightning runs")
+    ap.add_argument("--lightning-loader", choices=["batches", "samples"], default="batches",
+                    help="Lightning's data: whole batches per __getitem__ (default) or a DataLoader over rows")
     ap.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--lightning", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
