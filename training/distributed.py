@@ -116,7 +116,10 @@ class CommTimer:
         self.last_launch: float | None = None
         self.last_launch_event = None  # CUDA only
         # Every collective completes this much later (a slow network): set only by faults.install.
+        # One link: delayed collectives queue behind each other (gloo completes buckets on
+        # several threads), so each of N collectives in flight adds the delay, as on a saturated wire.
         self.delay_s = 0.0
+        self.link = threading.Lock()
 
     def launched(self) -> float:
         """Called by the hook when DDP hands it a bucket; returns the launch time."""
@@ -205,7 +208,8 @@ def _timed(inner):
         fut = inner(None, bucket)  # None: the default process group; averages over ranks
         if timer.delay_s:
             def slow(f, d=timer.delay_s):
-                time.sleep(d)  # runs where the future completes (the backend's thread), not in backward
+                with timer.link:
+                    time.sleep(d)  # runs where the future completes (the backend's thread), not in backward
                 return f.value()
 
             fut = fut.then(slow)

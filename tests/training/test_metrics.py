@@ -97,6 +97,19 @@ def runs(dataset, tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def bucket_runs(dataset, tmp_path_factory):
+    """A model of several DDP buckets (hidden 512 x 5 is 4.2 MB of gradients; 0.5 MB buckets: each
+    512 x 512 weight alone, the small ones together), plain and with every collective 100 ms later."""
+    delay_ms, sets = 100, {"hidden": 512, "depth": 5, "bucket_cap_mb": 0.5, "steps": 20, "log_every": 5}
+    return {
+        "base": _timed_run(dataset, tmp_path_factory.mktemp("buckets"), **sets),
+        "delay": _timed_run(dataset, tmp_path_factory.mktemp("buckets-delay"),
+                            env={"TRAINING_FAULT_COMM_DELAY_MS": str(delay_ms)}, **sets),
+        "delay_s": delay_ms / 1000,
+    }
+
+
 @pytest.mark.slow
 def test_injected_delay_shows_up_in_comm_time_and_exposed_time(runs):
     base, slow, d = runs["base"]["run_id"], runs["delay"]["run_id"], runs["delay_s"]
@@ -109,6 +122,19 @@ def test_injected_delay_shows_up_in_comm_time_and_exposed_time(runs):
     assert 0.85 * d <= exposed_rise <= 1.15 * d * collectives, exposed_rise
     assert _median_after_first(slow, "comm/exposed_fraction") > _median_after_first(base, "comm/exposed_fraction") + 0.1
     assert "% exposed" in runs["delay"]["stdout"]
+
+
+@pytest.mark.slow
+def test_per_bucket_timing_counts_every_collective_of_a_step(bucket_runs):
+    """Several buckets per step: the delay shows up once per collective in the time in flight; the
+    last bucket's delay (at least) is exposed; undelayed, backward hides part of the all-reduces."""
+    base, slow, d = bucket_runs["base"]["run_id"], bucket_runs["delay"]["run_id"], bucket_runs["delay_s"]
+    collectives = _median_after_first(slow, "comm/collectives_per_step")
+    assert collectives == _median_after_first(base, "comm/collectives_per_step") >= 4
+    rise = _median_after_first(slow, "comm/s_per_step") - _median_after_first(base, "comm/s_per_step")
+    assert rise == pytest.approx(d * collectives, rel=0.15), (rise, d, collectives)
+    exposed_rise = _median_after_first(slow, "comm/exposed_s_per_step") - _median_after_first(base, "comm/exposed_s_per_step")
+    assert 0.85 * d <= exposed_rise <= 1.15 * d * collectives, exposed_rise
 
 
 @pytest.mark.slow
