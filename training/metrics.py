@@ -1,6 +1,6 @@
-"""How the figures the trainer logs beside loss are computed: peak FLOP/s for MFU, peak memory,
-time-to-target (``RunClock``, ``target_reached``), goodput (``lineage_summary``), MLflow system
-metrics, and logging each step once (``OnceLogger``). The trainer's telemetry (training/telemetry.py)
+"""How the figures the trainer logs beside loss are computed: peak FLOP/s for MFU (a measured peak
+is kept per machine), peak memory, time-to-target (``RunClock``, ``target_reached``), goodput
+(``lineage_summary``), MLflow system metrics, and logging each step once (``OnceLogger``). The trainer's telemetry (training/telemetry.py)
 decides when to measure and log them; evaluation during training is training/evaluate.py.
 
 Every method is described in docs/architecture.md ("Metrics"); the tests in

@@ -29,7 +29,11 @@ which calls a Python function per value and takes seconds on a million rows.
 
 The verdict names every failed expectation with what was observed, one line each, and carries a
 fingerprint of the data (sha256 of every file, row counts). With ``docs_dir`` GX's own Data Docs
-(HTML) are built there from the stored validation results.
+(HTML) are built there from the stored validation results. ``validate_cached`` keeps a passed
+verdict for the same bytes, schema, gate code and GX version.
+
+One module past 400 lines: the schema, the suite, the gate and the key of a kept verdict change
+together (that key hashes this file, so any change to the gate invalidates every kept verdict).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Task group ``local`` (task ids kept as they were before the groups: ``train``, ``upload_checkpoint``):
 
 - ``train``: writes the run's ``train_config.json`` and starts ``torchrun --nproc-per-node
-  world_size`` in its own process group; every output line goes to the task log; a non-zero exit
-  fails the task with the failing rank's error. A retry resumes from the latest local checkpoint
+  world_size`` in its own process group; every output line goes to the task log, except rank 0's
+  relayed MLflow calls, which this task applies to the run (``training.tracking.RelayReceiver``,
+  so the ranks never load MLflow); a non-zero exit fails the task with the failing rank's error. A retry resumes from the latest local checkpoint
   (the work folder is keyed by the MLflow run id).
 - ``upload_checkpoint``: commits the final checkpoint folder to the store (objects, manifest,
   then ``latest``) and hands on the ``Handoff``.
