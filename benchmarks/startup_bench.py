@@ -137,8 +137,12 @@ def torchrun_part(repeats: int, work: Path, world: int) -> None:
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{work / 'mlflow.db'}")
     from mlflow.tracking import MlflowClient
 
+    import logging
+
     from training.tracking import RELAY_ENV
-    from training_airflow.backends.local import rank_env, run_streaming
+    from training_airflow.backends.local import log as launcher_log, rank_env, run_streaming
+
+    launcher_log.setLevel(logging.WARNING)  # the ranks' lines are the task log's, not this report's
 
     dataset = work / "teacher"
     subprocess.run([sys.executable, "-m", "training", "make-data", "--out", str(dataset)], check=True, cwd=ROOT,

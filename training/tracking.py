@@ -152,53 +152,64 @@ RELAY_PREFIX = "@@mlflow "
 _LINE_BYTES = 3500  # below PIPE_BUF (4096): one write() per line, never interleaved with another rank's
 
 
-class RelayLogger(NullLogger):
-    """Rank 0's logger when the launcher relays (``TRAINING_MLFLOW_RELAY=stdout``): each call is one
-    ``@@mlflow {json}`` line on stdout. Metrics logged through ``metrics.OnceLogger`` are sent as
-    "once": the receiving end, which can read the run, skips steps the run already has.
-    ``run_id`` stays None: the launcher also samples the system metrics."""
+class RelayLogger:
+    """Rank 0's logger when the launcher relays (``TRAINING_MLFLOW_RELAY=stdout``): every public
+    ``RunLogger`` method, called here, becomes one ``@@mlflow {"call": name, "args": [...],
+    "kwargs": {...}}`` line on stdout, which ``RelayReceiver`` replays on its ``RunLogger`` (so a
+    method added to ``RunLogger`` is relayed without a change here). Metrics logged through
+    ``metrics.OnceLogger`` are sent as ``log_metrics_once``: the receiving end, which can read the
+    run, skips steps the run already has. ``run_id`` stays None: the launcher samples the system
+    metrics. Calls whose one argument is a mapping of independent keys (params, tags, metrics) are
+    split so that every line stays under PIPE_BUF and is written by one ``write()``."""
 
+    run_id = None
     skips_logged_steps = True
+    SPLITTABLE = ("log_params", "set_tags", "log_metrics", "log_metrics_once")
 
-    def _send(self, op: str, **fields: Any) -> None:
-        sys.stdout.flush()  # keep the order with the progress lines printed before
-        os.write(1, (RELAY_PREFIX + json.dumps({"op": op, **fields}, separators=(",", ":")) + "\n").encode())
-
-    def _send_chunked(self, op: str, key: str, items: dict[str, Any], **fields: Any) -> None:
-        chunk: dict[str, Any] = {}
-        for k, v in items.items():
-            if chunk and len(json.dumps({**chunk, k: v})) > _LINE_BYTES:
-                self._send(op, **{key: chunk}, **fields)
-                chunk = {}
-            chunk[k] = v
-        if chunk:
-            self._send(op, **{key: chunk}, **fields)
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        self._send_chunked("params", "params", {k: str(v)[:6000] for k, v in params.items()})
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self._send_chunked("metrics", "metrics", {k: float(v) for k, v in metrics.items()}, step=step, once=False)
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name == "finish" or not callable(getattr(RunLogger, name, None)):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._relay(name, args, kwargs)
 
     def log_metrics_once(self, metrics: dict[str, float], step: int) -> dict[str, float]:
-        self._send_chunked("metrics", "metrics", {k: float(v) for k, v in metrics.items()}, step=step, once=True)
+        self._relay("log_metrics_once", (metrics,), {"step": step})
         return metrics
 
-    def set_tags(self, tags: dict[str, Any]) -> None:
-        self._send_chunked("tags", "tags", {k: str(v) for k, v in tags.items()})
+    def finish(self, status: str = "FINISHED") -> None:  # the task owns the run's status
+        ...
 
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self._send("artifact", path=str(Path(path).resolve()), artifact_path=artifact_path)
+    def _relay(self, name: str, args: tuple, kwargs: dict[str, Any]) -> None:
+        if name in self.SPLITTABLE and len(args) == 1 and isinstance(args[0], dict):
+            for chunk in _chunks(args[0]):
+                self._send(name, (chunk,), kwargs)
+        else:
+            self._send(name, args, kwargs)
 
-    def log_text(self, text: str, artifact_file: str) -> None:
-        self._send("text", text=text, artifact_file=artifact_file)
+    @staticmethod
+    def _send(name: str, args: tuple, kwargs: dict[str, Any]) -> None:
+        line = json.dumps({"call": name, "args": list(args), "kwargs": kwargs}, separators=(",", ":"), default=str)
+        sys.stdout.flush()  # keep the order with the progress lines printed before
+        os.write(1, (RELAY_PREFIX + line + "\n").encode())
+
+
+def _chunks(items: dict[str, Any]):
+    """``items`` in pieces whose JSON stays under ``_LINE_BYTES`` (one item alone may exceed it)."""
+    chunk: dict[str, Any] = {}
+    for k, v in items.items():
+        if chunk and len(json.dumps({**chunk, k: v}, default=str)) > _LINE_BYTES:
+            yield chunk
+            chunk = {}
+        chunk[k] = v
+    if chunk:
+        yield chunk
 
 
 class RelayReceiver:
-    """The launcher's end of ``RelayLogger``: ``handle(line)`` applies a relayed line to the run
-    (and says it did), other lines are the caller's. Steps a restarted rank group replays are
-    skipped (``metrics.OnceLogger``, which also reads what an earlier task try logged). Samples the
-    system metrics while it is open."""
+    """The launcher's end of ``RelayLogger``: ``handle(line)`` replays a relayed call on the run
+    (and says it did), other lines are the caller's. ``log_metrics_once`` goes through
+    ``metrics.OnceLogger``, which reads the run's logged steps once per metric (an earlier task
+    try's too) and skips the steps a restarted rank group replays. Samples the system metrics
+    while it is open."""
 
     def __init__(self, run_id: str, *, system_metrics: bool = True) -> None:
         from training.metrics import OnceLogger, start_system_metrics
@@ -211,19 +222,13 @@ class RelayReceiver:
         if not line.startswith(RELAY_PREFIX):
             return False
         msg = json.loads(line[len(RELAY_PREFIX):])
-        op = msg["op"]
-        if op == "params":
-            self.logger.log_params(msg["params"])
-        elif op == "metrics":
-            (self.once if msg["once"] else self.logger).log_metrics(msg["metrics"], step=msg["step"])
-        elif op == "tags":
-            self.logger.set_tags(msg["tags"])
-        elif op == "artifact":
-            self.logger.log_artifact(msg["path"], msg["artifact_path"])
-        elif op == "text":
-            self.logger.log_text(msg["text"], msg["artifact_file"])
+        name = msg["call"]
+        if name.startswith("_") or name == "finish" or not callable(getattr(RunLogger, name, None)):
+            raise ValueError(f"rank 0 relayed {name!r}, which is no RunLogger logging method")
+        if name == "log_metrics_once":
+            self.once.log_metrics(*msg["args"], **msg["kwargs"])
         else:
-            raise ValueError(f"unknown relayed MLflow operation {op!r}")
+            getattr(self.logger, name)(*msg["args"], **msg["kwargs"])
         return True
 
     def close(self) -> None:
@@ -232,7 +237,7 @@ class RelayReceiver:
             self.system_metrics = None
 
 
-def logger_for(is_main: bool) -> RunLogger | NullLogger:
+def logger_for(is_main: bool) -> RunLogger | RelayLogger | NullLogger:
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if not (is_main and run_id):
         return NullLogger()

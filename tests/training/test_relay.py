@@ -29,6 +29,8 @@ mlflow.log_metrics({"fault/restarts": 1.0}, step=20)  # plain log_metrics: every
 mlflow.log_metrics({"fault/restarts": 2.0}, step=20)
 mlflow.log_metrics_once({"summary/wall_s": 3.5}, step=30)
 mlflow.set_tags({"checkpoint.local_path": "/ck/step_00000030"})
+mlflow.log_text("rank 0 was here", "notes/rank0.txt")  # any RunLogger method is relayed by name
+assert getattr(mlflow, "client", None) is None and mlflow.run_id is None  # no client, no run of its own
 print("step 30/30 | an ordinary progress line")
 print("mlflow imported:", "mlflow" in sys.modules)
 """
@@ -63,6 +65,7 @@ def test_relayed_calls_reach_the_run_as_direct_logging_would(tmp_path):
     assert sorted(m.value for m in client.get_metric_history(run_id, "fault/restarts")) == [1.0, 2.0]
     assert run.data.metrics["summary/wall_s"] == 3.5
     assert run.data.tags["checkpoint.local_path"] == "/ck/step_00000030"
+    assert open(client.download_artifacts(run_id, "notes/rank0.txt", str(tmp_path))).read() == "rank 0 was here"
     assert any(k.startswith("system/") for k in run.data.metrics), "the receiver samples the system metrics"
 
 
