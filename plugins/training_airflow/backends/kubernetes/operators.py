@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from functools import cached_property
 from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
@@ -18,6 +19,7 @@ from airflow.providers.cncf.kubernetes.operators.resource import (
 )
 from airflow.sdk.exceptions import AirflowFailException
 
+from training_airflow.backends.kubernetes import watch
 from training_airflow.backends.kubernetes.checks import pod_tracking_uri
 from training_airflow.backends.kubernetes.spec import (
     CHECK_CONTAINER,
@@ -153,13 +155,23 @@ class DeleteRendezvousServiceOperator(_RunBound, KubernetesDeleteResourceOperato
 
 class TrainingJobOperator(_RunBound, KubernetesJobOperator):
     """The Indexed training Job. A Job failed by the podFailurePolicy (bad input) fails the task
-    without Airflow retries: a retry would fail the same way."""
+    without Airflow retries: a retry would fail the same way. So do pods that cannot start (no node
+    matches, the image cannot be pulled) once ``k8s_startup_timeout_s`` has passed: the Job is
+    deleted and the task fails naming the cause, instead of waiting for the Job's deadline. A Job
+    that failed otherwise fails the task with what its failed pods said (watch.failure)."""
 
     template_fields = (*KubernetesJobOperator.template_fields, "handoff")
 
     def __init__(self, *, handoff: Any, **kwargs: Any) -> None:
         super().__init__(**{**JOB_STATIC_KWARGS, **kwargs})
         self.handoff = handoff
+        self.startup_timeout_s = 300.0  # k8s_startup_timeout_s, set when the task runs
+
+    @cached_property
+    def hook(self) -> watch.WatchedHook:
+        return watch.WatchedHook(conn_id=self.kubernetes_conn_id, in_cluster=self.in_cluster, config_file=self.config_file,
+                           cluster_context=self.cluster_context,
+                           check=lambda pods: watch.stuck(pods, timeout_s=self.startup_timeout_s))
 
     @fails_fast
     def execute(self, context: Any):
@@ -170,10 +182,15 @@ class TrainingJobOperator(_RunBound, KubernetesJobOperator):
         cfg = pod_train_config(params, run_dir=names_.run_dir)
         apply_kwargs(self, job_operator_kwargs(params, names_, mlflow_run_id=run_id, tracking_uri=tracking_uri,
                                                train_config=cfg))
+        self.startup_timeout_s = float(params["k8s_startup_timeout_s"])
         log.info("Indexed Job %s/%s: %s pods, rendezvous %s", names_.namespace, names_.job, params["k8s_nnodes"],
                  names_.rdzv_endpoint)
         try:
             return super().execute(context)
+        except watch.PodsCannotStart as e:
+            self.hook.batch_v1_client.delete_namespaced_job(names_.job, names_.namespace,
+                                                            propagation_policy="Foreground")
+            raise AirflowFailException(f"Job {names_.job} deleted: {e}; retrying would wait the same way") from None
         except Exception:
             reason = self.hook.is_job_failed(job=self.job) if self.job is not None and self.job.status else False
             if reason == "PodFailurePolicy":
@@ -182,6 +199,9 @@ class TrainingJobOperator(_RunBound, KubernetesJobOperator):
                     f"(bad input). Read the '{CHECK_CONTAINER}' container log of the failed pod "
                     f"(kubectl -n {names_.namespace} logs -l job-name={names_.job} -c {CHECK_CONTAINER}), "
                     "fix the Params and trigger a new run; retrying would fail the same way") from None
+            if reason:
+                said = watch.failure(self.hook.job_pods(names_.job, names_.namespace))
+                raise RuntimeError(f"Job {names_.job} failed ({reason}): {said}") from None
             raise
 
 

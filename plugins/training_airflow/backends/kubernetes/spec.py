@@ -22,6 +22,7 @@ from kubernetes.client import models as k8s
 
 from airflow.providers.cncf.kubernetes.operators.job import JOB_NAME_PREFIX
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from training.elastic import EXIT_BAD_INPUT, EXIT_PREEMPTED
 
 CHECKPOINT_MOUNT = "/checkpoints"
 DATA_MOUNT = "/data"
@@ -32,11 +33,22 @@ RDZV_LABEL = "distributed-training/rendezvous"
 BASE_CONTAINER = KubernetesPodOperator.BASE_CONTAINER_NAME  # "base": the provider names the main container
 CHECK_CONTAINER = "check-config"
 RUN_UID = 10001  # the non-root user of docker/training.Dockerfile
-# `python -m training` exits 2 on bad input (training/cli.py EXIT_BAD_INPUT). torchrun reports every
-# failed rank as exit code 1, so the trainer's own parser (`train --print-config`) first runs in an
-# init container outside torchrun: its exit 2 matches the FailJob rule and the Job fails at once.
-# torchrun itself exits 2 on bad command-line arguments, which the same rule covers.
-EXIT_BAD_INPUT = 2
+# The exit-code contract of `python -m training` (training/cli.py), carried to the pod's status by
+# the launcher (training/elastic.py: torchrun itself reports every failed rank as 1):
+# 2 bad input: the FailJob rule fails the Job at once. The trainer's own parser (`train
+#   --print-config`) first runs in an init container, so a bad config never starts torchrun;
+#   torchrun exits 2 on bad command-line arguments, which the same rule covers.
+# 75 preempted: the ranks wrote a checkpoint of the current step. The Ignore rule replaces the pod
+#   without counting it against backoffLimit, and the replacement resumes from that checkpoint.
+# What the training container runs: torchrun's agent with the exit-code contract (training/elastic.py).
+LAUNCHER = ["python", "-m", "training.elastic"]
+# Seconds each layer of a preempted pod keeps back from the one above it: the agent stops waiting
+# for its ranks this long before the kubelet's SIGKILL, and the ranks give up this long before the
+# agent's own SIGKILL, so a stuck rank is reported by the layer that waited for it.
+GRACE_MARGIN_S = 5
+# c10d rendezvous: after the minimum of nodes joined, wait this long for more (torch's default is
+# 30 s, which every re-rendezvous after a lost pod would add to the recovery time).
+RDZV_LAST_CALL_S = 5
 MAX_DNS_LABEL = 63
 S3_ENV = {  # variable (= key in the Secret) -> optional
     "AWS_ACCESS_KEY_ID": False,
@@ -112,11 +124,27 @@ def world_sizes(params: dict[str, Any]) -> list[int]:
     return [n * procs_per_node(params) for n in range(nmin, nmax + 1)]
 
 
+@dataclass(frozen=True)
+class Grace:
+    """The preemption window of a training pod, each layer derived from ``k8s_termination_grace_s``."""
+
+    pod_s: int  # terminationGracePeriodSeconds: SIGTERM to the agent, SIGKILL this much later
+    agent_s: int  # torchrun --shutdown-timeout: the agent waits this long for its ranks, then SIGKILLs them
+    rank_s: int  # the trainer's preempt_grace_s: a rank exits (143) this long after SIGTERM at the latest
+
+
+def grace(params: dict[str, Any]) -> Grace:
+    pod = int(params["k8s_termination_grace_s"])
+    return Grace(pod_s=pod, agent_s=pod - GRACE_MARGIN_S, rank_s=pod - 2 * GRACE_MARGIN_S)
+
+
 def pod_train_config(params: dict[str, Any], *, run_dir: str, world_size: int | None = None) -> dict[str, Any]:
-    """The TrainConfig the pods run, built by the same code as the local backend's."""
+    """The TrainConfig the pods run, built by the same code as the local backend's; the
+    preemption grace is the pod's (``grace``), not the local backend's Param."""
     from training_airflow import context
 
-    cfg = context.train_config(params, world_size=world_size or world_sizes(params)[-1],
+    cfg = context.train_config({**params, "preempt_grace_s": grace(params).rank_s},
+                               world_size=world_size or world_sizes(params)[-1],
                                checkpoint_dir=f"{run_dir}/checkpoints", output_dir=f"{run_dir}/output").to_dict()
     cfg["dataset_uri"] = params["k8s_dataset_path"]
     return cfg
@@ -235,14 +263,22 @@ def _common_pod_kwargs(params: dict[str, Any], names_: Names) -> dict[str, Any]:
     }
 
 
+def rdzv_conf(params: dict[str, Any]) -> str:
+    """torchrun --rdzv-conf: how long to wait for the store on pod 0 (read_timeout) and for the
+    minimum of nodes (join_timeout), both ``k8s_rdzv_timeout_s``; then RDZV_LAST_CALL_S for more."""
+    timeout = int(params["k8s_rdzv_timeout_s"])
+    return f"join_timeout={timeout},read_timeout={timeout},last_call_timeout={min(RDZV_LAST_CALL_S, timeout)}"
+
+
 def torchrun_args(params: dict[str, Any], names_: Names, cfg: dict[str, Any]) -> list[str]:
-    """The pods' torchrun arguments (after the ``torchrun`` command itself)."""
+    """The pods' torchrun arguments (what follows LAUNCHER, which parses them as torchrun does)."""
     from training.launch import torchrun_command
 
     nmin, nmax = node_range(params)
     cmd = torchrun_command(set_args(cfg), nproc_per_node=procs_per_node(params), nnodes=f"{nmin}:{nmax}",
                            max_restarts=int(params["max_restarts"]), rdzv_endpoint=names_.rdzv_endpoint,
-                           rdzv_id=names_.job, python=None)
+                           rdzv_id=names_.job, python=None,
+                           options=["--rdzv-conf", rdzv_conf(params), "--shutdown-timeout", str(grace(params).agent_s)])
     return cmd[1:]
 
 
@@ -251,6 +287,9 @@ def pod_failure_policy() -> k8s.V1PodFailurePolicy:
         # Bad input: the same pod would fail the same way on every retry.
         k8s.V1PodFailurePolicyRule(action="FailJob", on_exit_codes=k8s.V1PodFailurePolicyOnExitCodesRequirement(
             operator="In", values=[EXIT_BAD_INPUT])),
+        # Preempted after a checkpoint (the launcher's exit code): the replacement pod resumes from it.
+        k8s.V1PodFailurePolicyRule(action="Ignore", on_exit_codes=k8s.V1PodFailurePolicyOnExitCodesRequirement(
+            container_name=BASE_CONTAINER, operator="In", values=[EXIT_PREEMPTED])),
         # Preemption, eviction, node drain: not the pod's fault; a replacement does not count
         # against backoffLimit and resumes from the latest checkpoint on the shared volume.
         k8s.V1PodFailurePolicyRule(action="Ignore", on_pod_conditions=[
@@ -282,7 +321,7 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
         **_common_pod_kwargs(params, names_),
         "name": names_.job_base,
         "labels": labels(names_, "trainer"),
-        "cmds": ["torchrun"],
+        "cmds": LAUNCHER,
         "arguments": torchrun_args(params, names_, train_config),
         "env_vars": env,
         "volumes": volumes,
@@ -291,7 +330,7 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
         "init_containers": [check],
         "subdomain": names_.service,
         "tolerations": tolerations,
-        "termination_grace_period": int(params["k8s_termination_grace_s"]),
+        "termination_grace_period": grace(params).pod_s,
         "active_deadline_seconds": int(params["k8s_active_deadline_s"]),
         "completion_mode": "Indexed",
         "completions": n,
