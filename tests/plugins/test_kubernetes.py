@@ -141,6 +141,8 @@ def test_indexed_job_with_one_pod_per_node(built):
     assert spec["activeDeadlineSeconds"] == built.params["k8s_active_deadline_s"]
     assert spec["ttlSecondsAfterFinished"] == built.params["k8s_ttl_after_finished_s"]
     assert built.spec["restartPolicy"] == "Never"  # required by podFailurePolicy
+    # Done when pod 0 is: after a scale-down the lost index can never succeed.
+    assert spec["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
     assert built.spec["terminationGracePeriodSeconds"] == built.params["k8s_termination_grace_s"]
 
 
@@ -360,9 +362,8 @@ def test_operators_compute_their_arguments_when_the_task_runs(kubeconfig, monkey
     params = k8s_params()
     op = ops.TrainingJobOperator(task_id="train_on_kubernetes", handoff={"mlflow_run_id": RUN_ID},
                                in_cluster=False, config_file=kubeconfig)
-    names = K.names(params, mlflow_run_id=RUN_ID, try_number=1)
-    cfg = K.pod_train_config(params, run_dir=names.run_dir)
-    ops.apply_kwargs(op, K.job_operator_kwargs(params, names, mlflow_run_id=RUN_ID, tracking_uri=MLFLOW, train_config=cfg))
+    names = op.prepare(_context(params))
+    assert names == K.names(params, mlflow_run_id=RUN_ID, try_number=1)
     op.kubernetes_conn_id = None
     at_runtime = serialize(op.build_job_request_obj())
     expected, _ = build_job(kubeconfig, params)
@@ -370,7 +371,8 @@ def test_operators_compute_their_arguments_when_the_task_runs(kubeconfig, monkey
 
     up = ops.UploadPodOperator(task_id="upload_on_kubernetes", handoff={"mlflow_run_id": RUN_ID},
                              in_cluster=False, config_file=kubeconfig)
-    ops.apply_kwargs(up, {**K.upload_pod_kwargs(params, names, mlflow_run_id=RUN_ID), "kubernetes_conn_id": None})
+    up.prepare(_context(params))
+    up.kubernetes_conn_id = None
     got, want = serialize(up.build_pod_request_obj()), build_upload_pod(kubeconfig, params)[0]
     for obj in (got, want):  # the provider adds a random suffix to pod names
         obj["metadata"]["name"] = re.sub(r"-[a-z0-9]{8}$", "", obj["metadata"]["name"])

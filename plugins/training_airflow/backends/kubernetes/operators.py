@@ -26,6 +26,7 @@ from training_airflow.backends.kubernetes.spec import (
     EXIT_BAD_INPUT,
     JOB_STATIC_KWARGS,
     POD_STATIC_KWARGS,
+    Names,
     job_operator_kwargs,
     job_wall_s,
     names,
@@ -81,16 +82,31 @@ def apply_kwargs(op: Any, kwargs: dict[str, Any]) -> None:
 
 class _RunBound:
     """Mixin: the operator takes this run's `validate_data` handoff (an XComArg, so also the
-    upstream dependency) and computes its Kubernetes arguments when the task runs. Values are set
-    after template rendering, so a Param value is never evaluated as a Jinja template."""
+    upstream dependency) and computes its Kubernetes arguments when the task runs (``prepare``,
+    the first thing ``execute`` does; a test calls it alone to get the objects the task would
+    send). Values are set after template rendering, so a Param value is never evaluated as a Jinja
+    template."""
 
     handoff: Any
 
     def _run_id(self, context: Any) -> str:
         return self.handoff["mlflow_run_id"]
 
+    def _names(self, context: Any) -> Names:
+        return names(context["params"], mlflow_run_id=self._run_id(context), try_number=context["ti"].try_number)
 
-class RendezvousServiceOperator(_RunBound, KubernetesCreateResourceOperator):
+
+class _ServiceBound(_RunBound):
+    """The rendezvous Service's create and delete operators: the same manifest."""
+
+    def prepare(self, context: Any) -> Names:
+        names_ = self._names(context)
+        apply_kwargs(self, {"yaml_conf": service_yaml(names_), "kubernetes_conn_id": context["params"]["kubernetes_conn_id"],
+                            "_namespace": names_.namespace})
+        return names_
+
+
+class RendezvousServiceOperator(_ServiceBound, KubernetesCreateResourceOperator):
     """Create this run's headless Service (a retry finds it already there and goes on)."""
 
     template_fields = (*KubernetesCreateResourceOperator.template_fields, "handoff")
@@ -102,10 +118,7 @@ class RendezvousServiceOperator(_RunBound, KubernetesCreateResourceOperator):
     def execute(self, context: Any) -> dict[str, str]:
         from kubernetes.utils import FailToCreateError
 
-        params = context["params"]
-        names_ = names(params, mlflow_run_id=self._run_id(context), try_number=context["ti"].try_number)
-        apply_kwargs(self, {"yaml_conf": service_yaml(names_), "kubernetes_conn_id": params["kubernetes_conn_id"],
-                            "_namespace": names_.namespace})
+        names_ = self.prepare(context)
         try:
             super().execute(context)
         except FailToCreateError as e:
@@ -129,7 +142,7 @@ class RendezvousServiceOperator(_RunBound, KubernetesCreateResourceOperator):
         return {"service": names_.service, "namespace": names_.namespace}
 
 
-class DeleteRendezvousServiceOperator(_RunBound, KubernetesDeleteResourceOperator):
+class DeleteRendezvousServiceOperator(_ServiceBound, KubernetesDeleteResourceOperator):
     """Delete this run's headless Service; one that is already gone is fine."""
 
     template_fields = (*KubernetesDeleteResourceOperator.template_fields, "handoff")
@@ -141,10 +154,7 @@ class DeleteRendezvousServiceOperator(_RunBound, KubernetesDeleteResourceOperato
     def execute(self, context: Any) -> None:
         from airflow.providers.cncf.kubernetes.utils.delete_from import FailToDeleteError
 
-        params = context["params"]
-        names_ = names(params, mlflow_run_id=self._run_id(context), try_number=context["ti"].try_number)
-        apply_kwargs(self, {"yaml_conf": service_yaml(names_), "kubernetes_conn_id": params["kubernetes_conn_id"],
-                            "_namespace": names_.namespace})
+        names_ = self.prepare(context)
         try:
             super().execute(context)
         except FailToDeleteError as e:
@@ -173,18 +183,21 @@ class TrainingJobOperator(_RunBound, KubernetesJobOperator):
                            cluster_context=self.cluster_context,
                            check=lambda pods: watch.stuck(pods, timeout_s=self.startup_timeout_s))
 
-    @fails_fast
-    def execute(self, context: Any):
+    def prepare(self, context: Any) -> Names:
         params = context["params"]
-        run_id = self._run_id(context)
-        names_ = names(params, mlflow_run_id=run_id, try_number=context["ti"].try_number)
+        names_ = self._names(context)
         tracking_uri = pod_tracking_uri(params, os.environ.get("MLFLOW_TRACKING_URI"))
         cfg = pod_train_config(params, run_dir=names_.run_dir)
-        apply_kwargs(self, job_operator_kwargs(params, names_, mlflow_run_id=run_id, tracking_uri=tracking_uri,
-                                               train_config=cfg))
+        apply_kwargs(self, job_operator_kwargs(params, names_, mlflow_run_id=self._run_id(context),
+                                               tracking_uri=tracking_uri, train_config=cfg))
         self.startup_timeout_s = float(params["k8s_startup_timeout_s"])
-        log.info("Indexed Job %s/%s: %s pods, rendezvous %s", names_.namespace, names_.job, params["k8s_nnodes"],
-                 names_.rdzv_endpoint)
+        return names_
+
+    @fails_fast
+    def execute(self, context: Any):
+        names_ = self.prepare(context)
+        log.info("Indexed Job %s/%s: %s pods, rendezvous %s", names_.namespace, names_.job,
+                 context["params"]["k8s_nnodes"], names_.rdzv_endpoint)
         try:
             return super().execute(context)
         except watch.PodsCannotStart as e:
@@ -214,9 +227,11 @@ class UploadPodOperator(_RunBound, KubernetesPodOperator):
         super().__init__(**{**POD_STATIC_KWARGS, **kwargs})
         self.handoff = handoff
 
+    def prepare(self, context: Any) -> Names:
+        names_ = self._names(context)
+        apply_kwargs(self, upload_pod_kwargs(context["params"], names_, mlflow_run_id=self._run_id(context)))
+        return names_
+
     def execute(self, context: Any):
-        params = context["params"]
-        run_id = self._run_id(context)
-        names_ = names(params, mlflow_run_id=run_id, try_number=context["ti"].try_number)
-        apply_kwargs(self, upload_pod_kwargs(params, names_, mlflow_run_id=run_id))
+        self.prepare(context)
         return super().execute(context)

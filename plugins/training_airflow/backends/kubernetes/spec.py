@@ -297,6 +297,14 @@ def pod_failure_policy() -> k8s.V1PodFailurePolicy:
     ])
 
 
+def success_policy() -> k8s.V1SuccessPolicy:
+    """The Job is done when pod 0 succeeds: its agent exits 0 only after the ranks of every pod
+    finished (torchrun's exit barrier). An Indexed Job otherwise waits for every index, and after
+    an elastic scale-down the lost pod's replacement can never succeed: the run it would join has
+    ended. (successPolicy: Kubernetes 1.31 and later; older API servers ignore it.)"""
+    return k8s.V1SuccessPolicy(rules=[k8s.V1SuccessPolicyRule(succeeded_indexes="0")])
+
+
 def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id: str, tracking_uri: str,
                         train_config: dict[str, Any]) -> dict[str, Any]:
     """Arguments of ``KubernetesJobOperator`` for this run (on top of JOB_STATIC_KWARGS)."""
@@ -337,9 +345,11 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
         "parallelism": n,
         "backoff_limit": int(params["k8s_backoff_limit"]),
         "ttl_seconds_after_finished": int(params["k8s_ttl_after_finished_s"]),
-        # podFailurePolicy is no operator argument: it comes in through the base Job the operator merges.
+        # podFailurePolicy and successPolicy are no operator arguments: they come in through the
+        # base Job the operator merges.
         "full_job_spec": k8s.V1Job(spec=k8s.V1JobSpec(template=k8s.V1PodTemplateSpec(),
-                                                      pod_failure_policy=pod_failure_policy())),
+                                                      pod_failure_policy=pod_failure_policy(),
+                                                      success_policy=success_policy())),
     }
 
 
