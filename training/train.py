@@ -587,16 +587,15 @@ class Trainer:
             records = StepLog.read(self.out)
         else:  # no output_dir: this attempt only
             records = [{"step": i, "step_s": s, "t": 0.0, "attempt": self.attempt} for i, s in enumerate(self.step_times)]
-        life = metrics.lineage_summary(records, start=self.clock.start, end=time.time())
-        hours = info.world_size / 3600
+        life = metrics.lineage_summary(records, start=self.clock.start, end=time.time(), world_size=info.world_size)
         summary = {
             "goodput": life["goodput"],
             "summary/wall_s": life["wall_s"],
             "summary/productive_s": life["productive_s"],
             "summary/lost_to_restarts_s": life["lost_to_restarts_s"],
             "summary/total_samples": float(self.state.step * self.cfg.batch_size),
-            "summary/device_hours": life["wall_s"] * hours,
-            "summary/device_hours_lost_to_restarts": life["lost_to_restarts_s"] * hours,
+            "summary/device_hours": life["device_s"] / 3600,
+            "summary/device_hours_lost_to_restarts": life["lost_device_s"] / 3600,
             "mem/peak_bytes_max": float(max(int(p) for p in peaks)),
             **{f"mem/peak_bytes_rank_{r}": float(p) for r, p in enumerate(peaks)},
         }
@@ -625,7 +624,8 @@ class Trainer:
         heartbeat fault accounting reads after a restart."""
         if self.step_log is not None:
             self.step_log.add({"step": self.state.step, "skipped": skipped, "restart": self.restarts,
-                               "step_s": step_s, "t": time.time(), "attempt": self.attempt}, loss)
+                               "step_s": step_s, "t": time.time(), "attempt": self.attempt,
+                               "world": self.info.world_size}, loss)
 
     def _maybe_inject_kill(self) -> None:
         if self.kill_at and self.restarts == 0 and self.kill_at == (self.state.step, self.info.rank):

@@ -242,6 +242,21 @@ def test_lineage_summary_counts_replayed_steps_and_downtime_as_lost():
     assert got["goodput"] == pytest.approx(4.0 / 12.0)
 
 
+def test_device_seconds_charge_each_attempt_its_own_world_size():
+    # Attempt A on 2 ranks until its last step at t=3; attempt B on 1 rank (an elastic scale-down)
+    # from there to the end at t=12: 3 s x 2 + 9 s x 1. The restart's dead time (t=2..10) is lost
+    # time of B's single rank.
+    a = [{"step": i, "step_s": 1.0, "t": float(i), "attempt": "A", "world": 2} for i in (1, 2, 3)]
+    b = [{"step": 3, "step_s": 1.0, "t": 11.0, "attempt": "B", "world": 1},
+         {"step": 4, "step_s": 1.0, "t": 12.0, "attempt": "B", "world": 1}]
+    got = lineage_summary(a + b, start=0.0, end=12.0, world_size=1)
+    assert got["device_s"] == 3 * 2 + 9 * 1
+    assert got["lost_device_s"] == 8.0 * 1
+    # Records without a world size (written before it was recorded): the caller's.
+    old = [{k: v for k, v in r.items() if k != "world"} for r in a]
+    assert lineage_summary(old, start=0.0, end=3.0, world_size=4)["device_s"] == 12.0
+
+
 def test_peak_table_picks_the_gpu_and_precision():
     assert _table_peak("NVIDIA H100 80GB HBM3", "bf16") == 989e12
     assert _table_peak("NVIDIA H100 PCIe", "bf16") == 756e12
