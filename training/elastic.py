@@ -16,7 +16,10 @@ the container's exit status, which is what a Job's ``podFailurePolicy`` matches.
   installs its handler only when it starts ranks, and a container's PID 1 ignores a signal it has
   no handler for, so it would otherwise wait for the SIGKILL at the end of the grace period.
 - a rendezvous that fails (the store on pod 0 unreachable, too few pods within ``join_timeout``)
-  ends with one line naming the cause, the endpoint and the timeout, instead of a traceback.
+  ends with one line naming the cause, the endpoint and the timeout, instead of a traceback. One
+  that never ends (the port answers but not as a c10d store: torch's client then waits for the
+  store's reply without a limit) is ended by a watchdog after read_timeout + join_timeout +
+  last_call_timeout + RDZV_SLACK_S, naming the endpoint too.
 
 The last line it prints starts with ``elastic:`` and says why it exits; it is also written to
 ``/dev/termination-log`` where Kubernetes provides one (the pod's termination message).
@@ -24,8 +27,11 @@ The last line it prints starts with ``elastic:`` and says why it exits; it is al
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,6 +43,7 @@ EXIT_SIGTERM = 128 + signal.SIGTERM
 # Exit statuses of ranks the agent stopped itself (Popen reports a signal as its negative number).
 STOPPED_BY_AGENT = {-signal.SIGTERM, -signal.SIGKILL}
 TERMINATION_LOG = "/dev/termination-log"
+RDZV_SLACK_S = 10  # beyond the rendezvous' own timeouts, before the watchdog ends a rendezvous
 
 
 def exit_status(codes: Iterable[int | None], *, signalled: bool = False) -> int:
@@ -48,13 +55,40 @@ def exit_status(codes: Iterable[int | None], *, signalled: bool = False) -> int:
     return EXIT_SIGTERM if signalled and own <= {EXIT_SIGTERM} else EXIT_FAILED
 
 
-def _agent_class() -> type:
+class RendezvousWatch:
+    """Ends the process, naming the endpoint, when a rendezvous outlasts ``limit_s``. Armed from
+    the start (the store is reached before the agent runs) and around each later rendezvous."""
+
+    def __init__(self, limit_s: float, where: str) -> None:
+        self.limit_s, self.where = limit_s, where
+        self.since: float | None = time.monotonic()
+        threading.Thread(target=self._watch, name="rendezvous-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.5)
+            since = self.since
+            if since is not None and time.monotonic() - since > self.limit_s:
+                _say(f"the rendezvous with {self.where} did not complete within {self.limit_s:.0f}s: the port answered "
+                     "but not as pod 0's c10d store (another process holds the rendezvous port on pod 0's node, or "
+                     f"the connection goes elsewhere); check the rendezvous port; exit {EXIT_FAILED}")
+                os._exit(EXIT_FAILED)
+
+
+def _agent_class(watch: RendezvousWatch) -> type:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class Agent(LocalElasticAgent):
-        """torchrun's agent, remembering how its ranks last exited."""
+        """torchrun's agent, remembering how its ranks last exited; its rendezvous watched."""
 
         exit_codes: dict[int, int | None] = {}
+
+        def _rendezvous(self, worker_group: Any) -> None:
+            watch.since = watch.since or time.monotonic()
+            try:
+                super()._rendezvous(worker_group)
+            finally:
+                watch.since = None
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
@@ -71,6 +105,20 @@ def _agent_class() -> type:
     return Agent
 
 
+def _rdzv_conf(args: Any) -> dict[str, int]:
+    """The rendezvous timeouts in effect (torch's defaults where --rdzv-conf sets none)."""
+    conf = {"read_timeout": 60, "join_timeout": 600, "last_call_timeout": 30}
+    for kv in (args.rdzv_conf or "").split(","):
+        key, _, value = kv.partition("=")
+        if key in conf and value:
+            conf[key] = int(value)
+    return conf
+
+
+def _where(args: Any) -> str:
+    return f"the rendezvous store at {args.rdzv_endpoint} (run id {args.rdzv_id})"
+
+
 def _rendezvous_cause(e: BaseException, args: Any) -> str | None:
     from torch.distributed.elastic.rendezvous.api import (
         RendezvousClosedError,
@@ -78,15 +126,15 @@ def _rendezvous_cause(e: BaseException, args: Any) -> str | None:
         RendezvousTimeoutError,
     )
 
-    conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
-    where = f"the rendezvous store at {args.rdzv_endpoint} (run id {args.rdzv_id})"
+    conf = _rdzv_conf(args)
+    where = _where(args)
     if isinstance(e, RendezvousConnectionError):
         inner = f": {e.__cause__}" if e.__cause__ else ""
-        return (f"cannot reach {where} within read_timeout={conf.get('read_timeout', 60)}s{inner}. Pod 0 hosts "
+        return (f"cannot reach {where} within read_timeout={conf['read_timeout']}s{inner}. Pod 0 hosts "
                 "it on the rendezvous port: check that every pod uses the same port, that pod 0 is running, and "
                 "that no NetworkPolicy blocks the port between the pods")
     if isinstance(e, RendezvousTimeoutError):
-        return (f"too few nodes joined {where} within join_timeout={conf.get('join_timeout', 600)}s "
+        return (f"too few nodes joined {where} within join_timeout={conf['join_timeout']}s "
                 f"(--nnodes {args.nnodes}): the other pods never reached it (not scheduled, image not pulled, "
                 "or they cannot reach pod 0); read their status and logs")
     if isinstance(e, RendezvousClosedError):
@@ -113,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     config, cmd, cmd_args = config_from_args(args)
-    agent = _agent_class()
+    conf = _rdzv_conf(args)
+    watch = RendezvousWatch(sum(conf.values()) + RDZV_SLACK_S, _where(args))
+    agent = _agent_class(watch)
     api.LocalElasticAgent = agent  # launch_agent builds its agent from this module attribute
     agent.exit_codes = {}
     signal.signal(signal.SIGTERM, _terminate_process_handler)  # until torchrun installs its own

@@ -3,16 +3,9 @@ tests that use Airflow as a person does: REST, the web UI, the scheduler reactin
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.conftest import wait_for_port
 from tests.e2e.live_airflow import LiveAirflow
-from training.util import free_port
 
 
 @pytest.fixture(scope="session")
@@ -53,20 +46,12 @@ def training_image(container_engine) -> str:
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_root):
-    """A real MLflow tracking server on 127.0.0.1 (SQLite store, artifacts served by the server),
-    reachable from pods under the name ``mlflow.pods.test`` (their hosts file maps it to 127.0.0.1)."""
-    port = free_port()
-    root = tmp_root / "mlflow-server"
-    root.mkdir()
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts"), "--allowed-hosts", f"127.0.0.1:{port},mlflow.pods.test:{port}"],
-        stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT,
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    """A real MLflow tracking server on 127.0.0.1, reachable from pods as mlflow.pods.test."""
+    from tests.e2e.pods import start_mlflow_server
+
+    addresses, proc = start_mlflow_server(tmp_root / "mlflow-server")
     try:
-        wait_for_port(port, timeout=120)
-        yield {"worker_uri": f"http://127.0.0.1:{port}", "pod_uri": f"http://mlflow.pods.test:{port}", "log": root / "server.log"}
+        yield addresses
     finally:
         proc.terminate()
         proc.wait(timeout=30)

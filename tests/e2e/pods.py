@@ -420,3 +420,142 @@ def run_to_end(engine: Any, args: list[str], *, timeout_s: float = 300) -> tuple
         raise TimeoutError(f"container {name} still running after {timeout_s}s: {engine('logs', name).stdout[-2000:]}")
     finally:
         engine("rm", "-f", "--time", "0", name, check=False)
+
+
+# --------------------------------------------------------------------------- one DAG run on the played cluster
+
+NAMESPACE = "training"
+MLFLOW_POD_HOST = "mlflow.pods.test"  # the MLflow server's name as the pods see it (their hosts file: 127.0.0.1)
+
+
+def kubeconfig(root: Path) -> Path:
+    """The cluster connection the operators need to build their objects; nothing is ever sent."""
+    path = root / "kubeconfig"
+    path.write_text("apiVersion: v1\nkind: Config\n"
+                    "clusters: [{name: none, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+                    "users: [{name: none, user: {token: not-a-token}}]\n"
+                    "contexts: [{name: none, context: {cluster: none, user: none}}]\ncurrent-context: none\n")
+    return path
+
+
+def start_mlflow_server(root: Path) -> tuple[dict[str, str], subprocess.Popen]:
+    """A real MLflow tracking server on 127.0.0.1 (SQLite store, artifacts served by the server)
+    that also answers to MLFLOW_POD_HOST; returns its addresses and process."""
+    import os
+    import sys
+
+    from tests.conftest import wait_for_port
+    from training.util import free_port
+
+    port = free_port()
+    root.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination",
+         str(root / "artifacts"), "--allowed-hosts", f"127.0.0.1:{port},{MLFLOW_POD_HOST}:{port}"],
+        stdout=(root / "server.log").open("w"), stderr=subprocess.STDOUT,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    wait_for_port(port, timeout=120)
+    return {"worker_uri": f"http://127.0.0.1:{port}", "pod_uri": f"http://{MLFLOW_POD_HOST}:{port}"}, proc
+
+
+class PodsRun:
+    """One DAG run of the kubernetes backend: its Params, the worker-side task bodies, the Service,
+    Job and upload pod rendered by the DAG's operators, and the played cluster they run on.
+    ``setenv`` sets the worker's environment (pytest's monkeypatch.setenv in a test)."""
+
+    def __init__(self, *, engine: Any, image: str, root: Path, dataset: Path, s3_endpoint: str,
+                 mlflow: dict[str, str], setenv: Any, **overrides: Any) -> None:
+        import boto3
+        import mlflow as mlflow_module
+
+        from tests.conftest import load_dag
+        from training.util import free_port
+        from training_airflow.params import training_params
+
+        tag = secrets.token_hex(4)  # names of this run's volumes and Secret on the machine
+        setenv("TRAINING_BACKENDS", "local,kubernetes")
+        setenv("MLFLOW_TRACKING_URI", mlflow["worker_uri"])
+        setenv("AIRFLOW_CONN_KUBE_PODS_TEST", json.dumps(
+            {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kubeconfig(root))}}))
+        mlflow_module.set_tracking_uri(mlflow["worker_uri"])
+        self.params = {name: p.value for name, p in training_params(["local", "kubernetes"]).items()}
+        self.params.update(
+            backend="kubernetes", experiment="pods", dataset_uri=str(dataset), store_uri="s3://pods/team",
+            kubernetes_conn_id="kube_pods_test", k8s_namespace=NAMESPACE, k8s_image=image, k8s_nnodes=2,
+            k8s_gpus_per_node=0, k8s_cpu_request="500m", k8s_cpu_limit="1", k8s_memory_request="1Gi",
+            k8s_memory_limit="3Gi", k8s_shm_size="256Mi", k8s_checkpoint_pvc=f"ckpt-{tag}", k8s_data_pvc=f"data-{tag}",
+            k8s_s3_secret=f"s3-{tag}", k8s_dataset_path=f"/data/{dataset.name}", k8s_mlflow_tracking_uri=mlflow["pod_uri"],
+            k8s_rdzv_port=free_port(), k8s_termination_grace_s=15, k8s_rdzv_timeout_s=60,
+            steps=200, batch_size=64, lr=3e-3, checkpoint_every=50, log_every=10)
+        self.params.update(overrides)
+        self.root, self.s3_endpoint = root, s3_endpoint
+        self.dag_run_id = f"pods-{tag}"
+        self.dag = load_dag("distributed_training")
+        self.cluster = Cluster(engine, root / "cluster", namespace=NAMESPACE, extra_hosts={MLFLOW_POD_HOST: "127.0.0.1"})
+        self.cluster.add_secret(self.params["k8s_s3_secret"], {
+            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_ENDPOINT_URL": s3_endpoint, "AWS_DEFAULT_REGION": "us-east-1"})
+        self.checkpoints = root / "pvc-checkpoints"
+        self.cluster.add_claim(self.params["k8s_checkpoint_pvc"], self.checkpoints)
+        self.cluster.add_claim(self.params["k8s_data_pvc"], dataset.parent)
+        boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket="pods")
+        self.opened: dict | None = None
+
+    def context(self, task_id: str) -> dict:
+        """What Airflow hands the task: its Params, its task instance (first try), the DAG."""
+        from types import SimpleNamespace
+
+        ti = SimpleNamespace(try_number=1, dag_id="distributed_training", task_id=task_id, map_index=-1)
+        return {"params": self.params, "ti": ti, "run_id": self.dag_run_id, "dag": self.dag}
+
+    def validate(self) -> dict:
+        """The ``validate_data`` task: the backend's checks, the MLflow run, the data gate."""
+        from training_airflow import tasks
+
+        self.opened = tasks.validate_data(self.params, dag_id="distributed_training", dag_run_id=self.dag_run_id)
+        return self.opened
+
+    def _op(self, task_id: str) -> tuple[Any, dict]:
+        """The DAG's operator with its run-time arguments set, and its task context."""
+        op = self.dag.task_dict[task_id]
+        op.handoff = self.opened  # what templating makes of the validate_data XComArg
+        context = self.context(task_id)
+        op.prepare(context)
+        return op, context
+
+    def render(self) -> tuple[dict, dict]:
+        """The Service and the Job, from the DAG's operators."""
+        from kubernetes.client import ApiClient
+
+        svc, _ = self._op("create_rendezvous_service")
+        job_op, context = self._op("train_on_kubernetes")
+        job = ApiClient().sanitize_for_serialization(job_op.build_job_request_obj(context))
+        return yaml.safe_load(svc.yaml_conf), job
+
+    def upload(self, timeout_s: float = 180) -> PlayedPod:
+        """The upload pod, rendered by its operator, run to its end."""
+        from kubernetes.client import ApiClient
+
+        op, context = self._op("upload_on_kubernetes")
+        pod = standalone_pod(self.cluster, ApiClient().sanitize_for_serialization(op.build_pod_request_obj(context)))
+        deadline = time.monotonic() + timeout_s
+        while pod.phase not in ("Succeeded", "Failed") and time.monotonic() < deadline:
+            pod.step()
+            time.sleep(0.5)
+        return pod
+
+    def run_dir(self) -> Path:
+        """This run's folder on the checkpoint volume (checkpoints/, output/steps.jsonl)."""
+        return self.checkpoints / self.params["experiment"] / self.opened["mlflow_run_id"]
+
+    def steps(self) -> list[dict]:
+        """Rank 0's per-step records (training/train.py StepLog), every attempt."""
+        from training.train import StepLog
+
+        return StepLog.read(self.run_dir() / "output")
+
+    def wait_for_step(self, played: PlayedJob, step: int, timeout_s: float = 300) -> None:
+        played.run(timeout_s, until=lambda job: (self.steps() or [{"step": 0}])[-1]["step"] >= step)
+        if played.condition:
+            raise AssertionError(f"the Job ended before step {step}: {played.describe()}")

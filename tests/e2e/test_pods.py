@@ -13,22 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 import time
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import boto3
 import pytest
-import yaml
-from kubernetes.client import ApiClient
 from mlflow.tracking import MlflowClient
 
-from tests.e2e.pods import Cluster, PlayedJob, standalone_pod
-from training.util import free_port
+from tests.e2e.pods import PlayedJob, PodsRun
 
-NAMESPACE = "training"
 # What the local backend logs for the same run (docs/architecture.md, "Metrics (one schema)").
 SCHEMA = {"train/loss", "train/lr", "train/grad_norm", "perf/samples_per_s", "perf/step_s", "perf/data_wait_s",
           "perf/mfu", "comm/s_per_step", "comm/exposed_s_per_step", "comm/exposed_fraction", "comm/bytes_per_step",
@@ -37,101 +29,13 @@ SCHEMA = {"train/loss", "train/lr", "train/grad_norm", "perf/samples_per_s", "pe
           "pipeline/torchrun_wall_s", "eval/loss", "eval/accuracy"}
 
 
-def _kubeconfig(root: Path) -> Path:
-    """The cluster connection the operators need to build their objects; nothing is ever sent."""
-    path = root / "kubeconfig"
-    path.write_text("apiVersion: v1\nkind: Config\n"
-                    "clusters: [{name: none, cluster: {server: 'https://127.0.0.1:1'}}]\n"
-                    "users: [{name: none, user: {token: not-a-token}}]\n"
-                    "contexts: [{name: none, context: {cluster: none, user: none}}]\ncurrent-context: none\n")
-    return path
-
-
-class PodsRun:
-    """One DAG run of the kubernetes backend: its Params, the worker's tasks, the played cluster."""
-
-    def __init__(self, *, engine, image: str, root: Path, dataset: Path, s3: dict, mlflow: dict, monkeypatch,
-                 **overrides: Any) -> None:
-        from tests.conftest import load_dag
-        from training_airflow.params import training_params
-
-        tag = secrets.token_hex(4)  # names of this run's volumes and Secret on the machine
-        monkeypatch.setenv("TRAINING_BACKENDS", "local,kubernetes")
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow["worker_uri"])
-        monkeypatch.setenv("AIRFLOW_CONN_KUBE_PODS_TEST", json.dumps(
-            {"conn_type": "kubernetes", "extra": {"kube_config_path": str(_kubeconfig(root))}}))
-        import mlflow as mlflow_module
-
-        mlflow_module.set_tracking_uri(mlflow["worker_uri"])
-        self.params = {name: p.value for name, p in training_params(["local", "kubernetes"]).items()}
-        self.params.update(
-            backend="kubernetes", experiment="pods", dataset_uri=str(dataset), store_uri="s3://pods/team",
-            kubernetes_conn_id="kube_pods_test", k8s_namespace=NAMESPACE, k8s_image=image, k8s_nnodes=2,
-            k8s_gpus_per_node=0, k8s_cpu_request="500m", k8s_cpu_limit="1", k8s_memory_request="1Gi",
-            k8s_memory_limit="3Gi", k8s_shm_size="256Mi", k8s_checkpoint_pvc=f"ckpt-{tag}", k8s_data_pvc=f"data-{tag}",
-            k8s_s3_secret=f"s3-{tag}", k8s_dataset_path=f"/data/{dataset.name}",
-            k8s_mlflow_tracking_uri=mlflow["pod_uri"], k8s_rdzv_port=free_port(), k8s_termination_grace_s=15,
-            k8s_rdzv_timeout_s=60, steps=200, batch_size=64, lr=3e-3, checkpoint_every=50, log_every=10)
-        self.params.update(overrides)
-        self.root, self.s3 = root, s3
-        self.dag = load_dag("distributed_training")
-        self.cluster = Cluster(engine, root / "cluster", namespace=NAMESPACE,
-                               extra_hosts={"mlflow.pods.test": "127.0.0.1"})
-        self.cluster.add_secret(self.params["k8s_s3_secret"], {
-            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_ENDPOINT_URL": s3["endpoint"], "AWS_DEFAULT_REGION": "us-east-1"})
-        self.checkpoints = root / "pvc-checkpoints"
-        self.cluster.add_claim(self.params["k8s_checkpoint_pvc"], self.checkpoints)
-        self.cluster.add_claim(self.params["k8s_data_pvc"], dataset.parent)
-        boto3.client("s3", endpoint_url=s3["endpoint"]).create_bucket(Bucket="pods")
-        self.opened: dict | None = None
-
-    def context(self, task_id: str) -> dict:
-        """What Airflow hands the task: its Params and task instance (first try)."""
-        ti = SimpleNamespace(try_number=1, dag_id="distributed_training", task_id=task_id, map_index=-1)
-        return {"params": self.params, "ti": ti, "run_id": f"pods-{self.root.name}", "dag": self.dag}
-
-    def validate(self) -> dict:
-        from training_airflow import tasks
-
-        self.opened = tasks.validate_data(self.params, dag_id="distributed_training", dag_run_id=f"pods-{self.root.name}")
-        return self.opened
-
-    def _op(self, task_id: str) -> tuple[Any, dict]:
-        """The DAG's operator with its run-time arguments set, and its task context."""
-        op = self.dag.task_dict[task_id]
-        op.handoff = self.opened  # what templating makes of the validate_data XComArg
-        context = self.context(task_id)
-        op.prepare(context)
-        return op, context
-
-    def render(self) -> tuple[dict, dict]:
-        """The Service and the Job, from the DAG's operators."""
-        svc, _ = self._op("create_rendezvous_service")
-        job_op, context = self._op("train_on_kubernetes")
-        job = ApiClient().sanitize_for_serialization(job_op.build_job_request_obj(context))
-        return yaml.safe_load(svc.yaml_conf), job
-
-    def upload(self, timeout_s: float = 180) -> Any:
-        op, context = self._op("upload_on_kubernetes")
-        pod = standalone_pod(self.cluster, ApiClient().sanitize_for_serialization(op.build_pod_request_obj(context)))
-        deadline = time.monotonic() + timeout_s
-        while pod.phase not in ("Succeeded", "Failed") and time.monotonic() < deadline:
-            pod.step()
-            time.sleep(0.5)
-        return pod
-
-    def run_dir(self) -> Path:
-        return self.checkpoints / self.params["experiment"] / self.opened["mlflow_run_id"]
-
-
 @pytest.fixture
 def pods_run(container_engine, training_image, tmp_path, dataset, s3_server, mlflow_server, monkeypatch):
     runs = []
 
     def make(**overrides) -> PodsRun:
-        run = PodsRun(engine=container_engine, image=training_image, root=tmp_path, dataset=dataset, s3=s3_server,
-                      mlflow=mlflow_server, monkeypatch=monkeypatch, **overrides)
+        run = PodsRun(engine=container_engine, image=training_image, root=tmp_path, dataset=dataset,
+                      s3_endpoint=s3_server["endpoint"], mlflow=mlflow_server, setenv=monkeypatch.setenv, **overrides)
         runs.append(run)
         return run
 
@@ -177,7 +81,7 @@ def test_two_pods_rendezvous_train_commit_and_evaluate(pods_run):
 
     handoff = confirm_commit(run.params, opened, job=played.status())
     assert handoff["final_step"] == run.params["steps"] and handoff["torchrun_wall_s"] > 0
-    manifest = _final_manifest_matches(run.s3["endpoint"], handoff["checkpoint_uri"])
+    manifest = _final_manifest_matches(run.s3_endpoint, handoff["checkpoint_uri"])
     assert manifest["world_size"] == 2
     assert {"__0_0.distcp", "__1_0.distcp", "COMPLETE", "model.safetensors"} <= {f["path"] for f in manifest["files"]}
 
@@ -190,3 +94,145 @@ def test_two_pods_rendezvous_train_commit_and_evaluate(pods_run):
     assert (mlrun.data.params["world_size"], mlrun.data.params["backend"]) == ("2", "gloo")
     loss = client.get_metric_history(opened["mlflow_run_id"], "train/loss")
     assert [h.step for h in loss] == list(range(10, run.params["steps"] + 1, 10)), "one point per log interval"
+
+
+@pytest.mark.slow
+def test_a_lost_pod_scales_the_run_down_and_it_finishes_on_one(pods_run):
+    """--nnodes 1:2: pod 1's container is SIGKILLed mid-run and its node is gone (the replacement
+    pod finds no room). Pod 0's agent restarts its ranks (max_restarts), re-rendezvouses alone
+    and resumes from the latest complete checkpoint; the Job succeeds with pod 0 (successPolicy)."""
+    run = pods_run(k8s_min_nodes=1, max_restarts=1, steps=200, checkpoint_every=20)
+    run.validate()
+    _, job = run.render()
+    played = PlayedJob(run.cluster, job)
+    run.wait_for_step(played, 50)
+    run.cluster.lost_nodes.add(1)
+    killed_at = time.time()
+    played.pods[1].signal("KILL")
+    played.run(timeout_s=600)
+    assert played.condition == ("Complete", "SuccessPolicy"), played.describe()
+    assert [(i, code, action) for i, _, code, action in played.history] == [(1, 137, "Count")]
+    assert played.pods[1].phase == "Pending" and played.pods[1].unschedulable
+
+    log0 = played.pods[0].logs()
+    assert "restart 1, resuming from" in log0 and "on 1 ranks" in log0, log0[-4000:]
+    records = run.steps()
+    resumed = next(r for r in records if r["restart"] == 1)
+    assert resumed["step"] % 20 == 1, "the first step after the restart follows a checkpoint"
+    mlrun = MlflowClient().get_run(run.opened["mlflow_run_id"])
+    m = mlrun.data.metrics
+    assert m["fault/restarts"] == 1 and m["fault/steps_lost"] >= 1 and 0 < m["fault/recovery_s"] < 60
+    recovery = resumed["t"] - killed_at
+    print(f"scale-down recovery: {recovery:.1f}s from SIGKILL to the first step on one pod; "
+          f"fault/recovery_s {m['fault/recovery_s']:.1f}s; steps lost {m['fault/steps_lost']:.0f}")
+    # Device-hours count each attempt's world size: 2 ranks until the kill, 1 after.
+    wall = m["summary/wall_s"]
+    assert wall / 3600 < m["summary/device_hours"] < 2 * wall / 3600
+
+
+@pytest.mark.slow
+def test_preemption_checkpoints_exits_75_and_the_job_resumes_without_counting_it(pods_run):
+    """`podman stop -t <terminationGracePeriodSeconds>` on pod 1 is what a kubelet does to a
+    preempted pod: SIGTERM to the launcher, SIGKILL after the grace. Each link: the ranks (of both
+    pods) agree on a step and write its checkpoint, well inside the grace; each launcher exits 75;
+    the Job's own podFailurePolicy Ignores 75 (backoffLimit 0: one counted failure would fail the
+    Job); the replacement pods resume from that checkpoint and finish."""
+    run = pods_run(k8s_backoff_limit=0, steps=200, checkpoint_every=100, k8s_termination_grace_s=45)
+    run.validate()
+    _, job = run.render()
+    grace = job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    played = PlayedJob(run.cluster, job)
+    run.wait_for_step(played, 40)
+    stopping = time.monotonic()
+    played.pods[1].stop(grace)
+    took = time.monotonic() - stopping
+    first = dict(played.pods)
+    played.run(timeout_s=600)
+
+    assert played.condition[0] == "Complete", f"{played.describe()}\n{first[1].logs()[-20000:]}"
+    assert took < grace, f"the pod needed {took:.1f}s of its {grace}s grace"
+    assert sorted((i, code, action) for i, _, code, action in played.history) == [(0, 75, "Ignore"), (1, 75, "Ignore")]
+    assert played.failed == 0
+    for pod in first.values():
+        assert pod.messages["base"].startswith("elastic: preempted: the ranks agreed on a step"), pod.messages
+    stopped = [p.name for p in (run.run_dir() / "checkpoints").iterdir() if (p / "COMPLETE").exists()
+               and int(p.name[5:]) not in (100, 200)]
+    assert len(stopped) == 1, stopped
+    step = int(stopped[0][5:])
+    assert 40 <= step < 200
+    assert f"train: preempted; checkpoint written at step {step}" in first[0].logs()
+    resumed = played.pods[0].logs()
+    assert f"restart 0, resuming from" in resumed and f"(step {step})" in resumed, resumed[-3000:]
+    assert f"train: done at step {run.params['steps']}" in resumed
+
+
+@pytest.mark.slow
+def test_a_missing_image_fails_in_the_startup_timeout_naming_the_image(pods_run):
+    from training_airflow.backends.kubernetes import watch
+
+    run = pods_run(k8s_image="localhost/distributed-training:missing", k8s_startup_timeout_s=10)
+    run.validate()
+    _, job = run.render()
+    played = PlayedJob(run.cluster, job)
+    start = time.monotonic()
+    cause = None
+    while cause is None and time.monotonic() - start < 120:
+        played.step()
+        cause = watch.stuck(played.v1pods(), timeout_s=run.params["k8s_startup_timeout_s"])
+        time.sleep(1)
+    took = time.monotonic() - start
+    assert cause and "localhost/distributed-training:missing" in cause and "k8s_image" in cause, cause
+    assert "ImagePullBackOff" in cause or "ErrImagePull" in cause
+    assert 10 <= took < 40, took
+
+
+@pytest.mark.slow
+def test_a_node_selector_nothing_matches_fails_in_the_startup_timeout_naming_it(pods_run):
+    from training_airflow.backends.kubernetes import watch
+
+    run = pods_run(k8s_node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}, k8s_startup_timeout_s=10)
+    run.validate()
+    _, job = run.render()
+    played = PlayedJob(run.cluster, job)
+    start = time.monotonic()
+    cause = None
+    while cause is None and time.monotonic() - start < 60:
+        played.step()
+        cause = watch.stuck(played.v1pods(), timeout_s=run.params["k8s_startup_timeout_s"])
+        time.sleep(1)
+    assert cause and "didn't match Pod's node affinity/selector" in cause and "NVIDIA-H100-80GB-HBM3" in cause, cause
+    assert 10 <= time.monotonic() - start < 20
+    assert all(p.started is None for p in played.pods.values()), "nothing ran"
+
+
+@pytest.mark.slow
+def test_a_rendezvous_port_taken_by_something_else_fails_in_the_rendezvous_timeout_naming_it(pods_run):
+    """On pod 0's node the rendezvous port is held by a process that is not the c10d store (with
+    hostNetwork: another service; without: a NetworkPolicy or a Service on another port behaves
+    alike: nothing answers as the store would). Both pods fail after k8s_rdzv_timeout_s, each
+    saying which endpoint it could not reach; the Job fails (backoffLimit 0) with their words."""
+    import socket
+
+    from training_airflow.backends.kubernetes import watch
+
+    run = pods_run(k8s_rdzv_timeout_s=10, k8s_backoff_limit=0)
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("0.0.0.0", run.params["k8s_rdzv_port"]))
+    squatter.listen(16)  # accepts connections (the kernel does), never answers
+    try:
+        run.validate()
+        _, job = run.render()
+        played = PlayedJob(run.cluster, job)
+        start = time.monotonic()
+        played.run(timeout_s=180)
+        took = time.monotonic() - start
+    finally:
+        squatter.close()
+    assert played.condition == ("Failed", "BackoffLimitExceeded"), played.describe()
+    said = watch.failure(played.v1pods())
+    endpoint = f"{job['metadata']['name']}-0.{job['spec']['template']['spec']['subdomain']}"
+    # torch's store client waits for an answer without a limit; the launcher's watchdog ends it
+    # after read + join + last-call timeouts (10 + 10 + 5 s) and 10 s more.
+    assert f"the rendezvous with the rendezvous store at {endpoint}" in said and "within 35s" in said, said
+    assert took < 90, took

@@ -119,3 +119,27 @@ def test_a_store_nobody_hosts_fails_in_its_timeout_naming_the_endpoint(dataset, 
     assert proc.returncode == 1
     last = out.strip().splitlines()[-1]
     assert f"elastic: cannot reach the rendezvous store at 127.0.0.1:{port}" in last and "read_timeout=5s" in last
+
+
+@pytest.mark.slow
+def test_a_port_that_answers_but_is_no_store_is_ended_by_the_watchdog(dataset, tmp_path):
+    """Something else listens on the rendezvous port: torch's store client connects and waits for
+    a reply without a limit. The watchdog ends it after the rendezvous timeouts, naming the port."""
+    import socket
+
+    port = free_port()
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("0.0.0.0", port))
+    squatter.listen(16)
+    try:
+        start = time.monotonic()
+        proc = _launch(_sets(dataset, tmp_path), nnodes="2:2", nproc=1, port=port,
+                       rdzv_conf="read_timeout=3,join_timeout=3,last_call_timeout=1")
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        squatter.close()
+    assert proc.returncode == 1
+    last = out.strip().splitlines()[-1]
+    assert f"the rendezvous with the rendezvous store at 127.0.0.1:{port}" in last and "within 17s" in last, last
+    assert time.monotonic() - start < 60
