@@ -473,6 +473,7 @@ class PodsRun:
         from training.util import free_port
         from training_airflow.params import training_params
 
+        root.mkdir(parents=True, exist_ok=True)
         tag = secrets.token_hex(4)  # names of this run's volumes and Secret on the machine
         setenv("TRAINING_BACKENDS", "local,kubernetes")
         setenv("MLFLOW_TRACKING_URI", mlflow["worker_uri"])

@@ -202,7 +202,8 @@ def test_rendezvous_timeouts_come_from_one_param(kubeconfig):
     job, _ = build_job(kubeconfig, k8s_params(k8s_rdzv_timeout_s=120))
     args = torchrun_args(job["spec"]["template"]["spec"]["containers"][0])
     assert _parse_rendezvous_config(args.rdzv_conf) == {"join_timeout": "120", "read_timeout": "120",
-                                                        "last_call_timeout": "5"}
+                                                        "last_call_timeout": "5", "keep_alive_interval": "1",
+                                                        "keep_alive_max_attempt": "3"}
 
 
 def test_hostname_never_set_so_the_job_controller_names_the_pods(built):

@@ -46,9 +46,15 @@ LAUNCHER = ["python", "-m", "training.elastic"]
 # for its ranks this long before the kubelet's SIGKILL, and the ranks give up this long before the
 # agent's own SIGKILL, so a stuck rank is reported by the layer that waited for it.
 GRACE_MARGIN_S = 5
-# c10d rendezvous: after the minimum of nodes joined, wait this long for more (torch's default is
-# 30 s, which every re-rendezvous after a lost pod would add to the recovery time).
+# c10d rendezvous settings that decide how fast a run recovers from a lost pod
+# (benchmarks/recovery_bench.py, docs/benchmarks.md "Elastic scale-down recovery"):
+# - after the minimum of nodes joined, wait this long for more (torch's default: 30 s);
+# - each agent writes a keep-alive to the store every RDZV_KEEP_ALIVE_S; a node that missed
+#   RDZV_KEEP_ALIVE_MISSES in a row is dead, and only then can the survivors start a new round
+#   without it (torch's default: 5 s x 3).
 RDZV_LAST_CALL_S = 5
+RDZV_KEEP_ALIVE_S = 1
+RDZV_KEEP_ALIVE_MISSES = 3
 MAX_DNS_LABEL = 63
 S3_ENV = {  # variable (= key in the Secret) -> optional
     "AWS_ACCESS_KEY_ID": False,
@@ -265,9 +271,11 @@ def _common_pod_kwargs(params: dict[str, Any], names_: Names) -> dict[str, Any]:
 
 def rdzv_conf(params: dict[str, Any]) -> str:
     """torchrun --rdzv-conf: how long to wait for the store on pod 0 (read_timeout) and for the
-    minimum of nodes (join_timeout), both ``k8s_rdzv_timeout_s``; then RDZV_LAST_CALL_S for more."""
+    minimum of nodes (join_timeout), both ``k8s_rdzv_timeout_s``; then RDZV_LAST_CALL_S for more;
+    and how soon a dead node is declared dead (keep-alives)."""
     timeout = int(params["k8s_rdzv_timeout_s"])
-    return f"join_timeout={timeout},read_timeout={timeout},last_call_timeout={min(RDZV_LAST_CALL_S, timeout)}"
+    return (f"join_timeout={timeout},read_timeout={timeout},last_call_timeout={min(RDZV_LAST_CALL_S, timeout)},"
+            f"keep_alive_interval={RDZV_KEEP_ALIVE_S},keep_alive_max_attempt={RDZV_KEEP_ALIVE_MISSES}")
 
 
 def torchrun_args(params: dict[str, Any], names_: Names, cfg: dict[str, Any]) -> list[str]:
