@@ -488,7 +488,7 @@ class PodsRun:
             k8s_memory_limit="3Gi", k8s_shm_size="256Mi", k8s_checkpoint_pvc=f"ckpt-{tag}", k8s_data_pvc=f"data-{tag}",
             k8s_s3_secret=f"s3-{tag}", k8s_dataset_path=f"/data/{dataset.name}", k8s_mlflow_tracking_uri=mlflow["pod_uri"],
             k8s_rdzv_port=free_port(), k8s_termination_grace_s=15, k8s_rdzv_timeout_s=60,
-            steps=200, batch_size=64, lr=3e-3, checkpoint_every=50, log_every=10)
+            steps=120, batch_size=64, lr=3e-3, checkpoint_every=40, log_every=10)
         self.params.update(overrides)
         self.root, self.s3_endpoint = root, s3_endpoint
         self.dag_run_id = f"pods-{tag}"

@@ -101,11 +101,11 @@ def test_a_lost_pod_scales_the_run_down_and_it_finishes_on_one(pods_run):
     """--nnodes 1:2: pod 1's container is SIGKILLed mid-run and its node is gone (the replacement
     pod finds no room). Pod 0's agent restarts its ranks (max_restarts), re-rendezvouses alone
     and resumes from the latest complete checkpoint; the Job succeeds with pod 0 (successPolicy)."""
-    run = pods_run(k8s_min_nodes=1, max_restarts=1, steps=200, checkpoint_every=20)
+    run = pods_run(k8s_min_nodes=1, max_restarts=1, steps=100, checkpoint_every=20)
     run.validate()
     _, job = run.render()
     played = PlayedJob(run.cluster, job)
-    run.wait_for_step(played, 50)
+    run.wait_for_step(played, 40)
     run.cluster.lost_nodes.add(1)
     killed_at = time.time()
     played.pods[1].signal("KILL")
@@ -137,12 +137,12 @@ def test_preemption_checkpoints_exits_75_and_the_job_resumes_without_counting_it
     pods) agree on a step and write its checkpoint, well inside the grace; each launcher exits 75;
     the Job's own podFailurePolicy Ignores 75 (backoffLimit 0: one counted failure would fail the
     Job); the replacement pods resume from that checkpoint and finish."""
-    run = pods_run(k8s_backoff_limit=0, steps=200, checkpoint_every=100, k8s_termination_grace_s=45)
+    run = pods_run(k8s_backoff_limit=0, steps=60, checkpoint_every=30, k8s_termination_grace_s=45)
     run.validate()
     _, job = run.render()
     grace = job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     played = PlayedJob(run.cluster, job)
-    run.wait_for_step(played, 40)
+    run.wait_for_step(played, 20)
     stopping = time.monotonic()
     played.pods[1].stop(grace)
     took = time.monotonic() - stopping
@@ -156,10 +156,10 @@ def test_preemption_checkpoints_exits_75_and_the_job_resumes_without_counting_it
     for pod in first.values():
         assert pod.messages["base"].startswith("elastic: preempted: the ranks agreed on a step"), pod.messages
     stopped = [p.name for p in (run.run_dir() / "checkpoints").iterdir() if (p / "COMPLETE").exists()
-               and int(p.name[5:]) not in (100, 200)]
+               and int(p.name[5:]) not in (30, 60)]
     assert len(stopped) == 1, stopped
     step = int(stopped[0][5:])
-    assert 40 <= step < 200
+    assert 20 <= step < 60
     assert f"train: preempted; checkpoint written at step {step}" in first[0].logs()
     resumed = played.pods[0].logs()
     assert f"restart 0, resuming from" in resumed and f"(step {step})" in resumed, resumed[-3000:]
