@@ -7,8 +7,9 @@ Job controller, scheduler, kubelet and Service DNS played, the pods real): two p
 ``--nnodes 1:2`` and ``max_restarts=1``; after step ``--kill-at`` pod 1's container is SIGKILLed and
 its node is gone. Recovery is the time from the SIGKILL to the first step pod 0 completes alone.
 
-The only change to the rendered Job: ``LOGLEVEL=INFO`` in the training container, so torchrun's
-agent logs (with timestamps) when it saw the ranks fail and when the new rendezvous completed.
+The only changes to the rendered Job: ``LOGLEVEL=INFO`` in the training container, so torchrun's
+agent logs (with timestamps) when it saw the ranks fail and when the new rendezvous completed, and
+``TRAINING_FAULT_COMM_DELAY_MS`` (``--comm-delay-ms``), so the kill lands mid-run.
 Each round's recovery is cut into:
 
 - ``detect``: SIGKILL -> pod 0's agent reports its rank failed (gloo sees the peer's sockets close);
@@ -70,6 +71,7 @@ def one_round(args, engine, image: str, dataset: Path, s3: str, mlflow: dict, ro
         _, job = run.render()
         base = job["spec"]["template"]["spec"]["containers"][0]
         base["env"].append({"name": "LOGLEVEL", "value": "INFO"})
+        run.slow_steps(job, args.comm_delay_ms)
         played = PlayedJob(run.cluster, job)
         run.wait_for_step(played, args.kill_at)
         run.cluster.lost_nodes.add(1)
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--checkpoint-every", type=int, default=20)
     p.add_argument("--kill-at", type=int, default=60, help="kill pod 1 once rank 0 recorded this step")
+    p.add_argument("--comm-delay-ms", type=int, default=50,
+                   help="TRAINING_FAULT_COMM_DELAY_MS of the pods: the kill lands mid-run on a fast machine too")
     args = p.parse_args(argv)
 
     from scripts import images

@@ -48,6 +48,9 @@ RDZV_SLACK_S = 10  # beyond the rendezvous' own timeouts, before the watchdog en
 
 def exit_status(codes: Iterable[int | None], *, signalled: bool = False) -> int:
     """The container's exit status from the ranks' exit statuses (None: still running)."""
+    codes = list(codes)
+    if codes and all(c == 0 for c in codes):
+        return 0  # the ranks had finished when the signal came
     own = {c for c in codes if c not in (0, None) and c not in STOPPED_BY_AGENT}
     if own in ({EXIT_PREEMPTED}, {EXIT_BAD_INPUT}):
         return own.pop()
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"{cause or f'{type(e).__name__}: {e}'}; exit {status}")
         return status
     status = exit_status(codes, signalled=signalled)
-    what = {EXIT_PREEMPTED: "preempted: the ranks agreed on a step and wrote its checkpoint",
+    what = {0: "the ranks had finished when the signal came",
+            EXIT_PREEMPTED: "preempted: the ranks agreed on a step and wrote its checkpoint",
             EXIT_BAD_INPUT: "bad input: the ranks refused their configuration",
             EXIT_SIGTERM: "stopped by SIGTERM before the ranks could checkpoint"}.get(status, "a rank failed")
     _say(f"{what} (rank exit statuses {sorted(c for c in codes if c is not None)}); exit {status}")

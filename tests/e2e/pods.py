@@ -534,6 +534,14 @@ class PodsRun:
         job = ApiClient().sanitize_for_serialization(job_op.build_job_request_obj(context))
         return yaml.safe_load(svc.yaml_conf), job
 
+    @staticmethod
+    def slow_steps(job: dict, delay_ms: int) -> None:
+        """A drill knob in the training container's environment: every gradient all-reduce
+        completes ``delay_ms`` later (TRAINING_FAULT_COMM_DELAY_MS; it changes no number), so a
+        signal sent after step N lands mid-run however fast or loaded the machine is."""
+        base = job["spec"]["template"]["spec"]["containers"][0]
+        base["env"].append({"name": "TRAINING_FAULT_COMM_DELAY_MS", "value": str(delay_ms)})
+
     def upload(self, timeout_s: float = 180) -> PlayedPod:
         """The upload pod, rendered by its operator, run to its end."""
         from kubernetes.client import ApiClient

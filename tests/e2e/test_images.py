@@ -54,9 +54,10 @@ def test_make_data_and_a_two_rank_torchrun_train(container_engine, training_imag
 
 
 def test_no_pip_configuration_or_host_file_is_in_the_image(container_engine, training_image):
-    code, out = run_to_end(container_engine, ["--user", "0", "--entrypoint", "sh", training_image, "-c",
-                                              "find / -xdev -path /usr/share/python-wheels -prune -o \\( -name pip.conf -o -name '*.whl' \\) -print 2>/dev/null; "
-                                              "find /run/host -type f 2>/dev/null; env | grep ^PIP_CONFIG_FILE; true"])
+    """The build's secrets and volumes (pip.conf, the CA bundle, local wheel folders) left nothing."""
+    script = ("find / -xdev -path /usr/share/python-wheels -prune -o \\( -name pip.conf -o -name '*.whl' \\) "
+              "-print 2>/dev/null; find /run/host -type f 2>/dev/null; env | grep ^PIP_CONFIG_FILE; true")
+    code, out = run_to_end(container_engine, ["--user", "0", "--entrypoint", "sh", training_image, "-c", script])
     assert code == 0 and out.strip() == "", out
 
 

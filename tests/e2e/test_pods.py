@@ -104,6 +104,7 @@ def test_a_lost_pod_scales_the_run_down_and_it_finishes_on_one(pods_run):
     run = pods_run(k8s_min_nodes=1, max_restarts=1, steps=100, checkpoint_every=20)
     run.validate()
     _, job = run.render()
+    run.slow_steps(job, 100)
     played = PlayedJob(run.cluster, job)
     run.wait_for_step(played, 40)
     run.cluster.lost_nodes.add(1)
@@ -141,6 +142,7 @@ def test_preemption_checkpoints_exits_75_and_the_job_resumes_without_counting_it
     run.validate()
     _, job = run.render()
     grace = job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    run.slow_steps(job, 100)
     played = PlayedJob(run.cluster, job)
     run.wait_for_step(played, 20)
     stopping = time.monotonic()
@@ -162,25 +164,31 @@ def test_preemption_checkpoints_exits_75_and_the_job_resumes_without_counting_it
     assert 20 <= step < 60
     assert f"train: preempted; checkpoint written at step {step}" in first[0].logs()
     resumed = played.pods[0].logs()
-    assert f"restart 0, resuming from" in resumed and f"(step {step})" in resumed, resumed[-3000:]
+    assert "restart 0, resuming from" in resumed and f"(step {step})" in resumed, resumed[-3000:]
     assert f"train: done at step {run.params['steps']}" in resumed
 
 
-@pytest.mark.slow
-def test_a_missing_image_fails_in_the_startup_timeout_naming_the_image(pods_run):
+def _until_stuck(run: PodsRun, limit_s: float) -> tuple[str | None, float, PlayedJob]:
+    """Start the rendered Job and ask, at every poll as the operator's wait does (watch.stuck),
+    whether its pods cannot start; the cause, how long it took, and the Job."""
     from training_airflow.backends.kubernetes import watch
 
-    run = pods_run(k8s_image="localhost/distributed-training:missing", k8s_startup_timeout_s=10)
     run.validate()
     _, job = run.render()
     played = PlayedJob(run.cluster, job)
     start = time.monotonic()
     cause = None
-    while cause is None and time.monotonic() - start < 120:
+    while cause is None and time.monotonic() - start < limit_s:
         played.step()
         cause = watch.stuck(played.v1pods(), timeout_s=run.params["k8s_startup_timeout_s"])
         time.sleep(1)
-    took = time.monotonic() - start
+    return cause, time.monotonic() - start, played
+
+
+@pytest.mark.slow
+def test_a_missing_image_fails_in_the_startup_timeout_naming_the_image(pods_run):
+    run = pods_run(k8s_image="localhost/distributed-training:missing", k8s_startup_timeout_s=10)
+    cause, took, _ = _until_stuck(run, 120)
     assert cause and "localhost/distributed-training:missing" in cause and "k8s_image" in cause, cause
     assert "ImagePullBackOff" in cause or "ErrImagePull" in cause
     assert 10 <= took < 40, took
@@ -188,20 +196,10 @@ def test_a_missing_image_fails_in_the_startup_timeout_naming_the_image(pods_run)
 
 @pytest.mark.slow
 def test_a_node_selector_nothing_matches_fails_in_the_startup_timeout_naming_it(pods_run):
-    from training_airflow.backends.kubernetes import watch
-
     run = pods_run(k8s_node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}, k8s_startup_timeout_s=10)
-    run.validate()
-    _, job = run.render()
-    played = PlayedJob(run.cluster, job)
-    start = time.monotonic()
-    cause = None
-    while cause is None and time.monotonic() - start < 60:
-        played.step()
-        cause = watch.stuck(played.v1pods(), timeout_s=run.params["k8s_startup_timeout_s"])
-        time.sleep(1)
+    cause, took, played = _until_stuck(run, 60)
     assert cause and "didn't match Pod's node affinity/selector" in cause and "NVIDIA-H100-80GB-HBM3" in cause, cause
-    assert 10 <= time.monotonic() - start < 20
+    assert 10 <= took < 20, took
     assert all(p.started is None for p in played.pods.values()), "nothing ran"
 
 

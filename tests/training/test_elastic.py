@@ -39,6 +39,7 @@ def test_the_exit_codes_are_the_trainers():
     ([143, 143], True, 143),  # ranks outlived their own preemption grace
     ([143], False, 1),
     ([None, 75], True, 75),  # a rank that could not be reaped does not count
+    ([0, 0], True, 0),  # the ranks had finished when SIGTERM came
 ])
 def test_exit_status(codes, signalled, status):
     assert elastic.exit_status(codes, signalled=signalled) == status
