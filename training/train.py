@@ -50,7 +50,7 @@ from training.data import ShardedSampler, load_split
 from training.datasets import read_meta
 from training.evaluate import Evaluator
 from training.models import build_model, loss_fn, model_spec, split_batch
-from training.resilience import EXIT_PREEMPTED, FaultReport, Phase, Preempted, Preemption, ReplicaCheck
+from training.resilience import EXIT_PREEMPTED, FaultReport, Phase, Preempted, Preemption, RankRecord, ReplicaCheck
 from training.telemetry import StepLog, StepResult, Telemetry
 from training.tracking import logger_for
 
@@ -103,7 +103,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, meta: dict[str, Any], train) -> None:
         self.cfg, self.info, self.kind = cfg, info, meta["kind"]
-        self.phase = Phase()
+        self.record = RankRecord(Path(cfg.output_dir) if cfg.output_dir else None, info.rank)
+        self.phase = Phase(self.record)
         _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
         self.spec = model_spec(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads, dropout=cfg.dropout)
         self.model, self.comm_timer = distributed.parallelize(build_model(self.spec), cfg, info)
@@ -172,6 +173,7 @@ class Trainer:
             result = self._train_step()
             self.state.step += 1
             step = self.state.step
+            self.record.beat(step)
             self.telemetry.record(step, result)
             for hook in self.after_step:
                 hook(step)

@@ -29,7 +29,6 @@ from typing import Any
 from training_airflow import settings
 
 log = logging.getLogger(__name__)
-TAGS = ("failure.task", "failure.try", "failure.reason")
 TAIL_LINES = 200
 
 
@@ -118,9 +117,8 @@ def _recovered(context: dict[str, Any]) -> None:
     client, run = _run_of(context)
     if run is None or "failure.task" not in run.data.tags:
         return
-    for key in TAGS:
-        if key in run.data.tags:
-            client.delete_tag(run.info.run_id, key)
+    for key in [k for k in run.data.tags if k.startswith("failure.")]:  # the launcher's rank tags too
+        client.delete_tag(run.info.run_id, key)
     if run.info.status == "FAILED":
         client.update_run(run.info.run_id, status="RUNNING")
     log.info("MLflow run %s: %s succeeded after the failure of %s; failure tags removed", run.info.run_id,

@@ -172,3 +172,12 @@ def test_a_hung_rank_times_out_and_the_error_names_rank_and_operation(dataset, t
     # Rank 0 waits in step 4's gradient all-reduce (inside backward) until the 5 s collective timeout.
     assert "RuntimeError: rank 0/2: forward/backward failed at step 3:" in out, out[-4000:]
     assert "timeout" in out.split("rank 0/2: forward/backward failed at step 3:")[1][:400]
+    # What the launcher reads afterwards: both ranks completed step 3; rank 0 recorded where it
+    # failed, the hung rank recorded nothing (it was killed in its hang).
+    from training.resilience import RankRecord
+
+    ranks = RankRecord.read(tmp_path / "out")
+    assert [(r["rank"], r["last_step"]) for r in ranks] == [(0, 3), (1, 3)]
+    assert ranks[1]["failure"] is None
+    assert (ranks[0]["failure"]["phase"], ranks[0]["failure"]["step"]) == ("forward/backward", 3)
+    assert "timeout" in ranks[0]["failure"]["error"].lower()

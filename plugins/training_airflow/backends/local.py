@@ -142,6 +142,30 @@ def failure_reason(result: LaunchResult) -> str:
     return f"torchrun exited with code {result.returncode}: " + "; ".join(parts)
 
 
+def record_ranks(run_id: str, output_dir: Path) -> dict[str, str]:
+    """After a failed launch: each rank's last completed step (its heartbeat) and what it was doing
+    when it failed, as tags and ``failures/ranks.json`` in the MLflow run. A rank with a heartbeat
+    and no failure record raised nothing: it was killed or it hung; its peers' records name the
+    collective they were waiting in."""
+    from training.resilience import RankRecord
+
+    ranks = RankRecord.read(output_dir)
+    if not ranks:
+        return {}
+    silent = [r for r in ranks if r["failure"] is None]
+    phases = sorted({r["failure"]["phase"] for r in ranks if r["failure"]})
+    tags = {"failure.last_steps": ", ".join(f"rank {r['rank']}: {r['last_step']}" for r in ranks),
+            "failure.rank": ", ".join(str(r["rank"]) for r in (silent or ranks)),
+            "failure.collective": ", ".join(phases) or "none recorded"}
+    if silent:
+        tags["failure.rank"] += " (raised nothing: killed or hung)"
+    logger = context.run_logger(run_id)
+    logger.set_tags(tags)
+    logger.log_text(json.dumps(ranks, indent=2), "failures/ranks.json")
+    log.error("ranks at the failure: %s", "; ".join(f"{k}={v}" for k, v in tags.items()))
+    return tags
+
+
 @fails_fast
 def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
     """Start torchrun with ``world_size`` ranks; a retry resumes from the latest local checkpoint."""
@@ -168,6 +192,7 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
                            "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]})
     result = run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT)
     if result.returncode != 0:
+        record_ranks(run_id, run_dir / "output")
         raise explain_failure(result)
 
     summary = json.loads((run_dir / "output" / "train_summary.json").read_text())
