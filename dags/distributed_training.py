@@ -91,7 +91,8 @@ def pipeline():
     report(register(evaluate(handoff)))
 
 
-COMMON = dict(start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=1, default_args=DEFAULT_ARGS)
+COMMON = dict(start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=settings.max_active_runs(),
+              default_args=DEFAULT_ARGS)
 
 # Schedule: TRAINING_SCHEDULE (cron or preset, `none` to switch it off); see docs/operations.md.
 distributed_training = dag(dag_id="distributed_training", schedule=settings.training_schedule(),

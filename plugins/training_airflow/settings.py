@@ -81,3 +81,13 @@ def enabled_backends() -> list[str]:
         raise ValueError(f"TRAINING_BACKENDS={raw!r} names {unknown or 'no backend'}. Fix: a comma-separated list "
                          f"of {', '.join(BACKENDS)}, e.g. 'local' or 'local,kubernetes'")
     return list(dict.fromkeys(names))
+
+
+def max_active_runs() -> int:
+    """``TRAINING_MAX_ACTIVE_RUNS`` (default 1): how many runs of each training DAG may run at once
+    on this deployment. Runs never share ports, work folders or MLflow runs, so more is safe where
+    the workers have the cores (and the metadata DB is not SQLite under heavy load)."""
+    raw = os.environ.get("TRAINING_MAX_ACTIVE_RUNS", "1").strip()
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TRAINING_MAX_ACTIVE_RUNS={raw!r} is not a positive integer. Fix: e.g. 1 or 4")
+    return int(raw)
