@@ -34,8 +34,30 @@ def ensure_tracking_uri() -> str:
         uri = default_tracking_uri()
         os.environ["MLFLOW_TRACKING_URI"] = uri
     if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        _init_sqlite_store(uri)
     return uri
+
+
+_STORES_READY: set[str] = set()
+
+
+def _init_sqlite_store(uri: str) -> None:
+    """Create a new SQLite MLflow store's tables once, under a file lock. Every MLflow client that
+    opens a store creates the tables and the Default experiment when they are missing; tasks of
+    several DAG runs starting at once on a fresh store would race on that and one would fail with
+    ``UNIQUE constraint failed: experiments.workspace, name``."""
+    if uri in _STORES_READY:
+        return
+    import fcntl
+
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".init-lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    _STORES_READY.add(uri)
 
 
 def resolve_path(value: str) -> str:

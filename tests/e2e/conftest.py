@@ -14,7 +14,9 @@ def live_airflow(tmp_root):
     # start the latest scheduled run at once (catchup=False still runs the most recent one) with the
     # default Params, ahead of the run under test (max_active_runs=1). The schedule itself is
     # checked where the DAG is parsed (tests/dags/test_forms.py).
-    airflow = LiveAirflow(tmp_root / "airflow-live", extra_env={"TRAINING_SCHEDULE": "none"})
+    # TRAINING_MAX_ACTIVE_RUNS / PARALLELISM: room for the five concurrent runs of test_live_load.py.
+    airflow = LiveAirflow(tmp_root / "airflow-live", extra_env={"TRAINING_SCHEDULE": "none", "TRAINING_MAX_ACTIVE_RUNS": "5",
+                                                                "AIRFLOW__CORE__PARALLELISM": "8"})
     try:
         yield airflow.start()
     finally:
