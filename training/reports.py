@@ -139,6 +139,12 @@ def _confusion_png(report: dict[str, Any], path: Path) -> None:
     _save(fig, path)
 
 
+def _base64(path: Path) -> str:
+    import base64
+
+    return base64.b64encode(path.read_bytes()).decode()
+
+
 def evaluation_files(report: dict[str, Any], out: Path, *, step: int | None = None) -> list[Path]:
     """``report.json``, ``report.html`` and (classification) ``confusion_matrix.png`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -156,7 +162,8 @@ def evaluation_files(report: dict[str, Any], out: Path, *, step: int | None = No
                 + "<h2>Confusion matrix</h2><p>Rows: true class, columns: predicted.</p>"
                 + _table(["true \\ predicted", *range(len(report["confusion_matrix"]))],
                          [[i, *row] for i, row in enumerate(report["confusion_matrix"])])
-                + '<p><img src="confusion_matrix.png" alt="confusion matrix"></p>')
+                # Inline: MLflow's viewer shows the page from a blob, where a relative file cannot load.
+                + f'<p><img src="data:image/png;base64,{_base64(out / "confusion_matrix.png")}" alt="confusion matrix"></p>')
     else:
         body = f"<pre>{html.escape(json.dumps(report, indent=2))}</pre>"
     (out / "report.html").write_text(_page(f"Evaluation ({report['task']})", body))

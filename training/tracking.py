@@ -10,8 +10,8 @@ What a person sees of a run is set here too:
   its runs table, and carries a shared view (``TRAINING_VIEW``: loss, evaluation and throughput
   columns) that the URLs from ``experiment_url`` / ``run_url`` open;
 - one-off figures (wall times, goodput, peak memory, time to target) are not metrics, which the UI
-  would draw as single dots: ``log_summary`` keeps them as ``summary.<name>`` tags and in the
-  ``summary.json`` artifact; ``summary_of`` reads them back;
+  would draw as single dots: ``log_summary`` keeps them in the ``summary.json`` artifact
+  (``read_summary``) and the headline ones as ``summary.<name>`` tags (``summary_of``);
 - ``progress``: a tag the trainer keeps current (step/total, %, smoothed ETA);
 - ``log_dataset``: the data as an MLflow dataset input (name, fingerprint, schema, rows);
 - ``describe``: the run's description (``mlflow.note.content``), the first thing its page shows:
@@ -35,6 +35,10 @@ TAG_PROGRESS = "progress"
 TAG_NOTE = "mlflow.note.content"
 SUMMARY_PREFIX = "summary."
 SUMMARY_FILE = "summary.json"
+# One-off figures that are also tags (the runs table and compare view show tags; all are in the file).
+SUMMARY_TAGS = frozenset({"goodput", "train_wall_s", "lost_to_restarts_s", "device_hours", "peak_mem_bytes_max",
+                          "state_bytes_per_rank", "time_to_target_s", "steps_to_target", "warmup_step_s",
+                          "torchrun_wall_s", "upload_s", "dag_wall_s", "orchestration_overhead_s"})
 # MLflow 3's UI opens a "custom model development" experiment on its runs table, not on the GenAI
 # trace overview it shows for an experiment of unknown kind.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
@@ -166,13 +170,15 @@ class RunLogger:
         self.client.log_text(self.run_id, text, artifact_file)
 
     def log_summary(self, figures: dict[str, float]) -> None:
-        """One-off figures of the run: tags ``summary.<name>`` and ``summary.json`` with every
-        summary figure the run has so far (a later call adds to it; a repeated one overwrites)."""
+        """One-off figures of the run: all of them in ``summary.json`` (a later call adds to it, a
+        repeated one overwrites), the headline ones (``SUMMARY_TAGS``) also as tags ``summary.<name>``."""
         if not figures:
             return
-        self.set_tags({SUMMARY_PREFIX + k: repr(float(v)) for k, v in figures.items()})
-        merged = summary_of(self.client.get_run(self.run_id))
+        merged = {**read_summary(self.run_id, self.client), **{k: float(v) for k, v in figures.items()}}
         self.log_text(json.dumps(merged, indent=2, sort_keys=True) + "\n", SUMMARY_FILE)
+        tags = {SUMMARY_PREFIX + k: f"{float(v):.8g}" for k, v in figures.items() if k in SUMMARY_TAGS}
+        if tags:
+            self.set_tags(tags)
 
     def set_progress(self, step: int, total: int, eta_s: float | None) -> None:
         self.set_tags({TAG_PROGRESS: progress_text(step, total, eta_s)})
@@ -224,8 +230,20 @@ def logger_for(is_main: bool) -> RunLogger | NullLogger:
 # ------------------------------------------------------------------------------ what a person reads
 
 
+def read_summary(run_id: str, client=None) -> dict[str, float]:
+    """Every one-off figure of the run (``summary.json``); {} before the first."""
+    import tempfile
+
+    client = client or _client()
+    with tempfile.TemporaryDirectory(prefix="summary-") as tmp:
+        try:
+            return json.loads(Path(client.download_artifacts(run_id, SUMMARY_FILE, tmp)).read_text())
+        except Exception:  # no summary yet
+            return {}
+
+
 def summary_of(run) -> dict[str, float]:
-    """The run's one-off figures (``log_summary``), by name."""
+    """The run's headline one-off figures (the ``summary.<name>`` tags), by name."""
     out = {}
     for key, value in run.data.tags.items():
         if key.startswith(SUMMARY_PREFIX):

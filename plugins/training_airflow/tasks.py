@@ -56,7 +56,7 @@ def run_name(params: dict[str, Any], world_size: int) -> str:
     if given:
         return given
     parts = [str(params.get(k, "")) for k in ("model", "strategy", "precision") if params.get(k)]
-    return "-".join([*parts, f"{world_size}ranks", f"{params.get('steps')}steps"])
+    return "-".join([*parts, f"{world_size}rank{'s' if world_size != 1 else ''}", f"{params.get('steps')}steps"])
 
 
 @fails_fast
