@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from tests.conftest import run_torchrun
 from training.config import ConfigError, TrainConfig
 from training.metrics import _table_peak, lineage_summary
-from training.tracking import read_summary
+from training.tracking import get_or_create_experiment, read_summary
 
 PROGRESS = re.compile(r"^step (\d+)/\d+ \| loss [0-9.]+ \| (\d+) samples/s")
 BATCH = 64
@@ -44,8 +44,8 @@ def _sets(dataset, root: Path, **extra) -> list[str]:
 
 def _new_run(name: str) -> str:
     client = MlflowClient()
-    exp = client.get_experiment_by_name("test-metrics") or client.get_experiment(client.create_experiment("test-metrics"))
-    return client.create_run(exp.experiment_id, run_name=name).info.run_id
+    # The project's own experiment set-up: artifacts next to the test store, not in the working folder.
+    return client.create_run(get_or_create_experiment("test-metrics"), run_name=name).info.run_id
 
 
 def _timed_run(dataset, root: Path, *, env: dict[str, str] | None = None, **extra) -> dict:
