@@ -267,3 +267,19 @@ def test_target_needs_evaluation_and_a_known_metric():
     with pytest.raises(ConfigError) as e:
         TrainConfig(dataset_uri="d", eval_every=10, target_metric="eval/accuracy", target_value=80)
     assert e.value.field == "target_value"
+
+
+def test_eta_is_smoothed_over_log_intervals():
+    """The ETA of the progress line and tag: one slow interval (a checkpoint, an evaluation) moves it
+    by a fraction of its excess; the warm-up interval only seeds it until the first steady one."""
+    from training.telemetry import EtaSmoother
+    from training.tracking import progress_text
+
+    eta = EtaSmoother()
+    assert eta.update(10, 5.0, first=True) == pytest.approx(0.5)  # warm-up: 10x slower than steady
+    assert eta.update(10, 0.5) == pytest.approx(0.05), "the first steady interval replaces the warm-up"
+    assert eta.update(10, 0.5) == pytest.approx(0.05)
+    slow = eta.update(10, 4.0)  # one interval 8x the steady one
+    assert slow == pytest.approx(0.05 + 0.3 * (0.4 - 0.05)) and slow < 0.4 / 2
+    assert progress_text(120, 300, 72.4) == "120/300 steps (40%), ETA 1m12s"
+    assert progress_text(300, 300, 0.0) == "300/300 steps (100%)"
