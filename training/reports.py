@@ -205,18 +205,21 @@ def run_plots(client, run_id: str, out: Path) -> list[Path]:
     if step[0]:
         exposed, in_flight = dict(zip(*curve("comm/exposed_fraction"))), dict(zip(*curve("comm/s_per_step")))
         fig, (ax1, ax2) = _figure(11, 4, ncols=2)
-        ax1.plot(*throughput, color="#4C72B0")
+        ax1.plot(*throughput, "o-", color="#4C72B0", markersize=3)
         ax1.set(title="Throughput (warm-up interval left out)", xlabel="optimizer step", ylabel="samples / s")
         ax1.set_ylim(bottom=0)
         total = [1000 * v for v in step[1]]
+        # One bar per logged interval, as wide as the interval: a run of one interval still shows.
+        gaps = [b - a for a, b in zip(step[0], step[0][1:])]
+        width = 0.8 * (min(gaps) if gaps else max(1, step[0][0] // 2))
+        comm = [1000 * (exposed[s] * v if exposed else min(v, in_flight.get(s, 0.0))) for s, v in zip(*step)]
+        names = (("compute (and communication hidden behind it)", "exposed communication") if exposed else
+                 ("rest of the step", "communication in flight (may overlap compute)") if in_flight else
+                 ("step (no communication: one rank)", ""))
+        ax2.bar(step[0], [t - c for t, c in zip(total, comm)], width=width, label=names[0], color="#4C72B0")
         if exposed or in_flight:
-            comm = [1000 * (exposed[s] * v if exposed else min(v, in_flight.get(s, 0.0))) for s, v in zip(*step)]
-            names = (("compute (and communication hidden behind it)", "exposed communication") if exposed else
-                     ("rest of the step", "communication in flight (may overlap compute)"))
-            ax2.stackplot(step[0], [t - c for t, c in zip(total, comm)], comm, labels=names,
-                          colors=("#4C72B0", "#DD8452"))
-        else:
-            ax2.plot(step[0], total, label="step time (no communication: one rank)")
+            ax2.bar(step[0], comm, width=width, bottom=[t - c for t, c in zip(total, comm)], label=names[1],
+                    color="#DD8452")
         ax2.set(title="Step time split", xlabel="optimizer step", ylabel="ms per optimizer step")
         written.append(out / "throughput_step_time.png")
         _save(fig, written[-1], (ax1, ax2))

@@ -294,17 +294,17 @@ def describe(run_id: str) -> str:
     lines = []
     status = run.info.status
     what = ", ".join(v for v in (tags.get("model"), tags.get("strategy"), tags.get("precision")) if v)
-    where = f" on {tags['world_size']} ranks" if tags.get("world_size") else ""
+    where = (f" on {tags['world_size']} rank{'' if tags['world_size'] == '1' else 's'}" if tags.get("world_size") else "")
     lines.append(f"**{status}** {what}{where}" + (f" · {tags[TAG_PROGRESS]}" if tags.get(TAG_PROGRESS) else ""))
+    if "failure.reason" in tags:  # what went wrong first
+        at = f"`{tags['failure.task']}` try {tags.get('failure.try', '?')}: " if "failure.task" in tags else ""
+        label = "Failed" if status in ("FAILED", "KILLED") else "Failed, a retry follows"
+        lines.append(f"**{label}:** {at}{tags['failure.reason']}")
     if tags.get(TAG_AIRFLOW_URL):
         lines.append(f"**Airflow run:** [{tags.get(TAG_DAG_ID, '')} / {tags.get(TAG_DAG_RUN_ID, '')}]"
                      f"({tags[TAG_AIRFLOW_URL]})")
     if tags.get(TAG_AIRFLOW_NOTE):
         lines.append("**Airflow note:** " + tags[TAG_AIRFLOW_NOTE].replace("\n", " "))
-    if "failure.reason" in tags:
-        at = f"`{tags['failure.task']}` try {tags.get('failure.try', '?')}: " if "failure.task" in tags else ""
-        label = "Failed" if status in ("FAILED", "KILLED") else "Failed, a retry follows"
-        lines.append(f"**{label}:** {at}{tags['failure.reason']}")
     figures = [("eval accuracy", metrics.get("eval/accuracy"), ""), ("eval loss", metrics.get("eval/loss"), ""),
                ("train loss", metrics.get("train/loss"), ""),
                ("samples/s", _median(client, run_id, "perf/samples_per_s"), ""),

@@ -51,14 +51,18 @@ def _run_of(context: dict[str, Any]):
 
 
 def reason_of(exception: BaseException | str | None) -> str:
-    """One line a person can act on: the exception's own ``reason`` if it has one, else its first line."""
+    """One line a person can act on: the exception's own ``reason`` if it has one, else its first line
+    (with the lines it introduces when it ends with a colon)."""
     if exception is None:
         return "the task failed without an error from its process (killed, lost its worker, or timed out)"
     if isinstance(exception, str):
         text = exception
     else:
         text = getattr(exception, "reason", None) or f"{type(exception).__name__}: {exception}"
-    first = next((line.strip() for line in str(text).splitlines() if line.strip()), str(text))
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()] or [str(text)]
+    # A heading that ends with ':' says nothing without what follows it ("data validation failed
+    # for ...:" then one line per failed expectation): keep the lines it introduces.
+    first = lines[0] if not lines[0].endswith(":") else f"{lines[0]} " + "; ".join(l.lstrip("- ") for l in lines[1:4])
     return first[:500]
 
 

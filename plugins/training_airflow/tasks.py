@@ -175,6 +175,7 @@ def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
     from training.checkpoint import MODEL_CONFIG_FILE, MODEL_FILE
     from training.evaluate import example_inputs, score_folder
     from training.storage import fetch_checkpoint
+    from training.tracking import describe
 
     run_id, dataset = scored["mlflow_run_id"], scored["dataset_uri"]
     name = params.get("registered_model") or params["experiment"]
@@ -189,9 +190,7 @@ def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
             step=scored["eval_step"], data_fingerprint=scored.get("dataset_fingerprint"),
             score_model=lambda folder: score_folder(folder, dataset)["eval/accuracy"])
     log.info("registry: %s version %s is %s: %s", gate["registered_model"], gate["version"], gate["decision"], gate["reason"])
-    from training.tracking import describe
-
-    describe(run_id)
+    describe(run_id)  # the decision and both aliases on the run's page
     return {**scored, "registry": gate}
 
 

@@ -132,8 +132,15 @@ def _close_assistant(b: Browser) -> None:
     b.eval("[...document.querySelectorAll('button[aria-label=Close]')].forEach(x => x.click())")
 
 
+def _show_description(b: Browser) -> None:
+    """The run page shows the first lines of the description: expand it and bring it to the top."""
+    b.click_button("Show more")
+    b.eval("[...document.querySelectorAll('*')].find(e => e.children.length === 0 && e.innerText === 'Description')"
+           "?.scrollIntoView({block: 'start'})")
+
+
 def _task_link(b: Browser, af, dag_id: str, run_id: str, task: str) -> str:
-    b.goto(f"{af.base}/dags/{dag_id}/runs/{quote(run_id, safe='')}/tasks/{task}")
+    b.goto(f"{af.base}/dags/{dag_id}/runs/{quote(run_id, safe='')}/tasks/{task}/details")  # Extra Links
     return b.wait_for(f"(() => {{ const a = {TASK_LINK}; return a && a.href; }})()", what=f"the MLflow link of {task}")
 
 
@@ -152,31 +159,36 @@ def finished(live_airflow, live_runs, mlflow_ui):
 
 def test_every_task_links_to_its_mlflow_run_and_the_run_back(live_airflow, live_runs, mlflow_ui, finished, browser,
                                                               tmp_path):
-    af, b, run = live_airflow, browser, finished["rest"]
-    page = run_url(mlflow_ui, run.info.experiment_id, run.info.run_id)
+    af, b = live_airflow, browser
+    rest = finished["rest"]
+    page = run_url(mlflow_ui, rest.info.experiment_id, rest.info.run_id)
     for task in CORE:  # every task of the run, as the API server answers the UI
         links = af.api("GET", f"/dags/{TRAIN}/dagRuns/{quote(live_runs['rest'], safe='')}/taskInstances/{task}/links")
         assert links.json()["extra_links"] == {"MLflow run": page}, (task, links.text)
+    assert rest.info.run_name == "mlp-ddp-fp32-1rank-20steps"  # what it trains; the Airflow run id is a tag
 
-    _login(b, af, f"/dags/{TRAIN}/runs/{live_runs['rest']}")
-    assert _task_link(b, af, TRAIN, live_runs["rest"], "train") == page
+    # In the browser, the data-driven run (2 ranks, 300 steps: curves worth a look).
+    run, dag_run_id = finished["asset"], finished["asset"].data.tags["airflow.dag_run_id"]
+    page = run_url(mlflow_ui, run.info.experiment_id, run.info.run_id)
+    _login(b, af, f"/dags/{ON_DATA}/runs/{dag_run_id}")
+    assert _task_link(b, af, ON_DATA, dag_run_id, "train") == page
     _keep(b.screenshot(tmp_path / "airflow_task_mlflow_link.png"))
 
     b.goto(page)  # what the link opens
     b.wait_for(f"document.body.innerText.includes({json.dumps(run.info.run_name)})", what="the MLflow run page")
     _close_assistant(b)
-    assert run.info.run_name == "mlp-ddp-fp32-1rank-20steps"
+    assert run.info.run_name == "mlp-ddp-fp32-2ranks-300steps"
     back = run.data.tags["airflow.url"]
-    assert back == f"{af.base}/dags/{TRAIN}/runs/{quote(live_runs['rest'], safe='')}"
+    assert back == f"{af.base}/dags/{ON_DATA}/runs/{quote(dag_run_id, safe='')}"
     href = b.wait_for(f"(() => {{ const a = [...document.querySelectorAll('a')].find(a => a.href === {json.dumps(back)}); "
                       "if (!a) return null; a.scrollIntoView({block: 'start'}); return a.href; })()",
                       what="the link back to the Airflow run in the description")
     b.wait_for("[...document.querySelectorAll('img')].filter(i => i.src.includes('plots/') && i.naturalWidth > 0)"
                ".length === 2", what="the loss and throughput plots in the description")
-    b.eval("window.scrollBy(0, -60)")
+    _show_description(b)
     _keep(b.screenshot(tmp_path / "mlflow_run_page.png"))
     b.goto(href)  # and back: the Airflow run page
-    b.wait_for(f"document.body.innerText.includes({json.dumps(live_runs['rest'])})", what="the Airflow run page")
+    b.wait_for(f"document.body.innerText.includes({json.dumps(dag_run_id)})", what="the Airflow run page")
 
 
 def test_a_failed_run_links_to_a_failed_mlflow_run_that_says_why(live_airflow, live_runs, mlflow_ui, browser, tmp_path):
@@ -195,8 +207,7 @@ def test_a_failed_run_links_to_a_failed_mlflow_run_that_says_why(live_airflow, l
                what="the failure and its reason on the run page")
     _close_assistant(b)
     assert "FAILED" in b.text()
-    b.eval("[...document.querySelectorAll('h1,h2,h3,h4,span,div')].find(e => e.innerText === 'Description')"
-           "?.scrollIntoView({block: 'start'})")
+    _show_description(b)
     _keep(b.screenshot(tmp_path / "mlflow_failed_run.png"))
 
 
@@ -211,7 +222,7 @@ def test_experiment_opens_on_runs_with_loss_eval_and_throughput(mlflow_ui, finis
                f" || document.body.innerText.includes({json.dumps(finished['asset'].info.run_name)}) && "
                f"{headers}.includes('eval/accuracy')", what="the runs table with its metric columns")
     _close_assistant(b)
-    b.eval("document.querySelector('.ag-center-cols-viewport, .ag-body-horizontal-scroll-viewport')?.scrollBy(400, 0)")
+    b.eval("document.querySelector('.ag-center-cols-viewport, .ag-body-horizontal-scroll-viewport')?.scrollBy(230, 0)")
     shown = set(b.eval(headers))
     assert {"eval/accuracy", "eval/loss"} <= shown, shown
     text = b.text()
@@ -245,7 +256,8 @@ def test_compare_view_diff_only_lists_the_params_that_differ(mlflow_ui, finished
               if runs[0].data.params.get(k) != runs[1].data.params.get(k)}
     assert not differ & {"checkpoint_dir", "output_dir", "config_hash", "perf/peak_flops"}, differ
     assert {"world_size", "steps", "dataset_uri"} <= differ, differ
-    b.goto(f"{mlflow_ui}/#/compare-runs?runs={json.dumps(ids)}&experiments={json.dumps([runs[0].info.experiment_id])}")
+    b.goto(f"{mlflow_ui}/#/compare-runs?runs={json.dumps(ids)}&experiments={json.dumps([runs[0].info.experiment_id])}"
+           "&workflowType=machine_learning")
     b.wait_for(f"document.body.innerText.includes({json.dumps(runs[1].info.run_name)}) && "
                "document.body.innerText.includes('Parameters')", what="the compare view")
     _close_assistant(b)
