@@ -135,6 +135,9 @@ def _confusion_png(report: dict[str, Any], path: Path) -> None:
         for i, row in enumerate(matrix):
             for j, v in enumerate(row):
                 ax.text(j, i, str(v), ha="center", va="center", fontsize=8, color="white" if v > top / 2 else "black")
+    ticks = range(0, n, max(1, n // 20))
+    ax.set_xticks(ticks)
+    ax.set_yticks(ticks)
     ax.set(title="Confusion matrix (validation)", xlabel="predicted class", ylabel="true class")
     _save(fig, path)
 

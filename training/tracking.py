@@ -268,7 +268,7 @@ def progress_text(step: int, total: int, eta_s: float | None) -> str:
     return f"{step}/{total} steps ({pct}%){eta}"
 
 
-def _figure(value: float | None, kind: str = "") -> str:
+def _fmt_figure(value: float | None, kind: str = "") -> str:
     if value is None:
         return "-"
     if kind == "ms":
@@ -311,7 +311,7 @@ def describe(run_id: str) -> str:
                ("step (ms)", _median(client, run_id, "perf/step_s"), "ms"),
                ("exposed comm", _median(client, run_id, "comm/exposed_fraction"), "%"),
                ("goodput", summary.get("goodput"), "%"), ("DAG wall (s)", summary.get("dag_wall_s"), "")]
-    shown = [(name, _figure(v, kind)) for name, v, kind in figures if v is not None]
+    shown = [(name, _fmt_figure(v, kind)) for name, v, kind in figures if v is not None]
     if shown:
         lines.append("| " + " | ".join(n for n, _ in shown) + " |\n|" + "---|" * len(shown) + "\n| "
                      + " | ".join(v for _, v in shown) + " |")

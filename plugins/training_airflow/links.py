@@ -40,7 +40,7 @@ def airflow_tags(dag_run: Any) -> dict[str, str]:
             "airflow.run_type": str(getattr(dag_run, "run_type", "") or "").rsplit(".", 1)[-1].lower()}
     note = (getattr(dag_run, "note", None) or "").strip()
     if note:
-        tags["airflow.note"] = note[:4000]
+        tags["airflow.note"] = note[:1000]  # the description holds it too: keep it within a tag's limit
     return tags
 
 

@@ -27,6 +27,7 @@ from training.util import free_port
 TRAIN, ON_DATA, REGISTER = "distributed_training", "distributed_training_on_data", "register_dataset"
 EXPERIMENT = "distributed_training"  # the data-driven run records here too: one experiment to compare
 STEPS = 20
+RUN_NOTE = "Baseline on one rank, for the scaling comparison"
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +102,8 @@ def live_runs(live_airflow, dataset, tmp_root):
         af.unpause(dag_id)
     conf = {"dataset_uri": str(dataset), "experiment": EXPERIMENT, "world_size": 1, "steps": STEPS,
             "batch_size": 64, "checkpoint_every": 10, "store_uri": (tmp_root / "live-store").as_uri()}
-    rest = af.trigger(TRAIN, conf)
+    # With a note, as a person writes one when triggering: the MLflow run's description carries it.
+    rest = af.api("POST", f"/dags/{TRAIN}/dagRuns", json={"logical_date": None, "conf": conf, "note": RUN_NOTE})
     assert rest.status_code == 200, rest.text
     # Valid for the form, but 33 does not split over 2 ranks: only the first task can tell.
     bad = af.trigger(ON_DATA, {**conf, "world_size": 2, "batch_size": 33})

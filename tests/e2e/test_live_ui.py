@@ -29,7 +29,7 @@ from urllib.parse import quote
 from mlflow.tracking import MlflowClient
 
 from tests.e2e.browser import Browser, chromium_path
-from tests.e2e.conftest import EXPERIMENT, ON_DATA, TRAIN
+from tests.e2e.conftest import EXPERIMENT, ON_DATA, RUN_NOTE, TRAIN
 from tests.e2e.live_airflow import PASSWORD
 from training.tracking import experiment_url, run_url
 
@@ -166,6 +166,8 @@ def test_every_task_links_to_its_mlflow_run_and_the_run_back(live_airflow, live_
         links = af.api("GET", f"/dags/{TRAIN}/dagRuns/{quote(live_runs['rest'], safe='')}/taskInstances/{task}/links")
         assert links.json()["extra_links"] == {"MLflow run": page}, (task, links.text)
     assert rest.info.run_name == "mlp-ddp-fp32-1rank-20steps"  # what it trains; the Airflow run id is a tag
+    assert rest.data.tags["airflow.note"] == RUN_NOTE and f"**Airflow note:** {RUN_NOTE}" in rest.data.tags[
+        "mlflow.note.content"], "the Airflow run's note is in the MLflow run's description"
 
     # In the browser, the data-driven run (2 ranks, 300 steps: curves worth a look).
     run, dag_run_id = finished["asset"], finished["asset"].data.tags["airflow.dag_run_id"]
