@@ -87,7 +87,7 @@ def pipeline():
     def report(registered: dict, params=None, dag_run=None):
         from training_airflow import tasks
 
-        return tasks.report(params, registered, dag_run_start=dag_run.start_date, dag_run=dag_run)
+        return tasks.report(params, registered, dag_run_start=dag_run.start_date)
 
     # The backend's task group (backends/): trains and commits the final checkpoint to the store.
     handoff = backends.train_and_commit(validate_data())

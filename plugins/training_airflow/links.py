@@ -6,9 +6,11 @@
   never started. It finds the MLflow run by the tags every run of this pipeline carries
   (``airflow.dag_id``, ``airflow.dag_run_id``); a DAG run without one (refused before the run
   opened, or a DAG that records nothing in MLflow) gets no link.
-- MLflow -> Airflow: ``airflow_tags``: the tag ``airflow.url`` (the DAG run's page), the run type
-  and the DAG run's note, which ``training.tracking.describe`` puts into the MLflow run's
-  description.
+- MLflow -> Airflow: ``airflow_tags``: the tag ``airflow.url`` (the DAG run's page) and the run
+  type, set by ``validate_data``; ``RunNoteListener`` (a listener of the same plugin, in the
+  scheduler) copies the DAG run's note into the tag ``airflow.note`` when the run ends, which
+  ``training.tracking.describe`` puts into the MLflow run's description. Tasks cannot read the
+  note: Airflow's execution API hands them the DAG run without it.
 
 Where people open each UI: ``settings.airflow_ui_url`` (Airflow's ``[api] base_url``) and
 ``settings.mlflow_ui_url``. Nothing heavy is imported at module level: the plugin loader of every
@@ -22,6 +24,7 @@ import logging
 from typing import Any
 from urllib.parse import quote
 
+from airflow.listeners import hookimpl
 from airflow.sdk import BaseOperatorLink
 
 from training_airflow import settings
@@ -36,12 +39,8 @@ def airflow_run_url(dag_id: str, dag_run_id: str) -> str:
 
 def airflow_tags(dag_run: Any) -> dict[str, str]:
     """What the MLflow run says about its Airflow run (``dag_run``: the task context's)."""
-    tags = {"airflow.url": airflow_run_url(dag_run.dag_id, dag_run.run_id),
+    return {"airflow.url": airflow_run_url(dag_run.dag_id, dag_run.run_id),
             "airflow.run_type": str(getattr(dag_run, "run_type", "") or "").rsplit(".", 1)[-1].lower()}
-    note = (getattr(dag_run, "note", None) or "").strip()
-    if note:
-        tags["airflow.note"] = note[:1000]  # the description holds it too: keep it within a tag's limit
-    return tags
 
 
 @functools.lru_cache(maxsize=4096)
@@ -85,3 +84,43 @@ class MLflowRunLink(BaseOperatorLink):
         except Exception as e:  # a link must never break the page it is on
             log.warning("MLflow run link of %s/%s: %s", ti_key.dag_id, ti_key.run_id, e)
             return ""
+
+
+def copy_note(dag_run: Any) -> bool:
+    """The DAG run's note into its MLflow run (tag ``airflow.note`` and the description); True when
+    it changed something. ``dag_run``: the scheduler's DagRun, which has the note."""
+    note = (getattr(dag_run, "note", None) or "").strip()[:1000]  # the description holds it too
+    if not note:
+        return False
+    try:
+        _, run_id = _found(dag_run.dag_id, dag_run.run_id)
+    except LookupError:
+        return False
+    from mlflow.tracking import MlflowClient
+
+    from training.tracking import TAG_AIRFLOW_NOTE, describe
+
+    client = MlflowClient()
+    if client.get_run(run_id).data.tags.get(TAG_AIRFLOW_NOTE) == note:
+        return False
+    client.set_tag(run_id, TAG_AIRFLOW_NOTE, note)
+    describe(run_id)
+    return True
+
+
+class RunNoteListener:
+    """Scheduler-side: when a DAG run ends, its note goes into its MLflow run."""
+
+    def _copy(self, dag_run: Any) -> None:
+        try:
+            copy_note(dag_run)
+        except Exception as e:  # never disturb the scheduler for a note
+            log.warning("note of %s/%s not copied to MLflow: %s", dag_run.dag_id, dag_run.run_id, e)
+
+    @hookimpl
+    def on_dag_run_success(self, dag_run: Any, msg: str) -> None:
+        self._copy(dag_run)
+
+    @hookimpl
+    def on_dag_run_failed(self, dag_run: Any, msg: str) -> None:
+        self._copy(dag_run)

@@ -66,7 +66,7 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, datas
 
     ``dataset_uri`` (from the asset event of a data-driven run) replaces the Param; later tasks
     get the resolved folder through ``Opened``. ``dag_run`` (the task context's) gives the MLflow
-    run the link back to Airflow and the DAG run's note."""
+    run the link back to Airflow."""
     settings.ensure_tracking_uri()
     from training.config import check_path_part
     from training.tracking import describe, open_run
@@ -195,8 +195,7 @@ def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
 
 
 @fails_fast
-def report(params: dict[str, Any], registered: dict[str, Any], *, dag_run_start: datetime | None,
-           dag_run: Any = None) -> dict[str, Any]:
+def report(params: dict[str, Any], registered: dict[str, Any], *, dag_run_start: datetime | None) -> dict[str, Any]:
     """Record how much of the DAG's wall time was orchestration, draw the run's plots, close the
     MLflow run and write its description (what its page shows first)."""
     from training.reports import run_plots
@@ -209,8 +208,6 @@ def report(params: dict[str, Any], registered: dict[str, Any], *, dag_run_start:
         wall = (datetime.now(timezone.utc) - dag_run_start).total_seconds()
         figures = {"dag_wall_s": wall, "orchestration_overhead_s": wall - registered["torchrun_wall_s"]}
         logger.log_summary(figures)
-    if dag_run is not None:  # the note may have been written while the run ran
-        logger.set_tags(links.airflow_tags(dag_run))
     with tempfile.TemporaryDirectory(prefix="plots-") as tmp:
         if run_plots(logger.client, run_id, Path(tmp)):
             logger.client.log_artifacts(run_id, tmp, "plots")
