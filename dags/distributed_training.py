@@ -19,7 +19,10 @@ One run of this DAG trains one model and records everything in **one MLflow run*
    validation split (`eval/loss`, `eval/accuracy`).
 4. **register** - logs the model to MLflow, registers it, and gives it the `champion` alias if it
    beats the current one.
-5. **report** - closes the MLflow run and records the orchestration overhead.
+5. **report** - records the orchestration overhead, draws the run's plots and closes the MLflow run.
+
+Every task has the link **MLflow run** (top of the task's page): the MLflow run of this DAG run,
+whose description links back here and carries this run's note.
 
 Trigger it with the form (every field explains itself), then open MLflow and compare runs.
 """
@@ -62,10 +65,10 @@ def pipeline():
     """The task wiring of a training run, shared by both DAGs below."""
 
     @task
-    def validate_data(params=None, dag=None, run_id=None, triggering_asset_events=None):
+    def validate_data(params=None, dag=None, run_id=None, dag_run=None, triggering_asset_events=None):
         from training_airflow import tasks
 
-        return tasks.validate_data(params, dag_id=dag.dag_id, dag_run_id=run_id,
+        return tasks.validate_data(params, dag_id=dag.dag_id, dag_run_id=run_id, dag_run=dag_run,
                                    dataset_uri=tasks.dataset_from_events(triggering_asset_events))
 
     @task

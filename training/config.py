@@ -106,9 +106,10 @@ class TrainConfig:
         60, "after SIGTERM, seconds a rank may take to checkpoint and exit before it exits anyway",
         title="Preemption grace (s)", minimum=1, maximum=3600, section=ADVANCED)
 
-    checkpoint_dir: str = knob("", "folder for periodic checkpoints (step_XXXXXXXX/ sub-folders)", form=False)
-    output_dir: str = knob("", "folder for the run's records: steps.jsonl, train_summary.json, run_clock.json",
-                           form=False)
+    checkpoint_dir: str = knob("", "folder for periodic checkpoints (step_XXXXXXXX/ sub-folders)", form=False,
+                               per_run=True)
+    output_dir: str = knob("", "folder for the run's records: steps.jsonl, train_summary.json, run_clock.json, "
+                           "train.log", form=False, per_run=True)
 
     def __post_init__(self) -> None:
         if self.target_metric == "":  # train_config.json files written before "none" was a choice

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from training import checkpoint, distributed, metrics, precision, storage
+from training import checkpoint, distributed, metrics, precision, reports, storage
 from training.data import load_split
 from training.datasets import read_meta
 from training.log import logger
@@ -103,7 +103,7 @@ class Evaluator:
         if cfg.has_target and self.clock.target() is None and metrics.target_reached(
                 cfg.target_metric, res[cfg.target_metric], cfg.target_value):
             hit = self.clock.reach_target(step, time.time())
-            self.metrics_log.log_metrics(hit, step=step)
+            self.telemetry.mlflow.log_summary(hit)  # one-off figures: the run summary, not a series
             logger.info(f"target {cfg.target_metric} {cfg.target_value} reached at step {step} after "
                         f"{hit['time_to_target_s']:.1f}s")
 
@@ -127,9 +127,11 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
     if spec["features"] != meta["features"]:
         raise ValueError(f"model was trained on features {spec['features']} but the dataset has {meta['features']}")
     labels = torch.from_numpy(val.labels) if val.labels is not None else None
-    metrics = score(model, meta["kind"], torch.from_numpy(val.features), labels)
+    features = torch.from_numpy(val.features)
+    metrics = score(model, meta["kind"], features, labels)
     return {
         **metrics,
+        "report": reports.evaluation_report(meta, model, features, labels),  # per task: training/reports.py
         "step": manifest["step"],
         "checkpoint_step_dir": local.name,
         "bayes_accuracy": meta.get("bayes_accuracy"),

@@ -41,19 +41,22 @@ class ConfigError(ValueError):
 
 def knob(default: Any, help: str, *, title: str | None = None, minimum: float | None = None,
          maximum: float | None = None, exclusive_minimum: float | None = None, pattern: str | None = None,
-         section: str | None = None, form: bool = True, tag: bool = False, schema: dict[str, Any] | None = None) -> Any:
+         section: str | None = None, form: bool = True, tag: bool = False, per_run: bool = False,
+         schema: dict[str, Any] | None = None) -> Any:
     """Declare one configuration field.
 
     ``help``: one line on what it does (the CLI, the form's description and the docs show it).
     ``section``: the trigger form section it goes into (None: the main section).
     ``form``: False for fields the pipeline sets itself (paths of one run), never asked of a user.
     ``tag``: also an MLflow run tag on every run, so MLflow's compare view lines runs up by it.
+    ``per_run``: a value of one run (a path keyed by the run, a hash), not a choice: an MLflow tag,
+    never a param, so comparing runs shows what people chose and not what differs by construction.
     ``schema``: further JSON-schema keywords for the form only (``maxLength``, ``propertyNames``...);
     the config's own ``check_*`` rules enforce the same where it matters.
     """
     meta = {"help": help, "title": title, "minimum": minimum, "maximum": maximum,
             "exclusive_minimum": exclusive_minimum, "pattern": pattern, "section": section, "form": form, "tag": tag,
-            "schema": schema or {}}
+            "per_run": per_run, "schema": schema or {}}
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -77,6 +80,7 @@ class Spec:
     section: str | None
     form: bool
     tag: bool
+    per_run: bool
     schema: dict[str, Any]
 
 
@@ -117,7 +121,7 @@ def specs(cls: type) -> dict[str, Spec]:
                            help=m["help"], title=m["title"] or f.name.replace("_", " ").capitalize(),
                            minimum=m["minimum"], maximum=m["maximum"], exclusive_minimum=m["exclusive_minimum"],
                            pattern=m["pattern"], section=m["section"], form=m["form"], tag=m["tag"],
-                           schema=m["schema"])
+                           per_run=m["per_run"], schema=m["schema"])
     return out
 
 
@@ -127,6 +131,14 @@ def choices(cls: type, name: str) -> list[str]:
     if found is None:
         raise TypeError(f"{cls.__name__}.{name} has no fixed choices")
     return list(found)
+
+
+def mlflow_record(obj: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(params, tags) of a knob-declared dataclass instance for MLflow: per-run fields are tags."""
+    params, tags = {}, {}
+    for name, spec in specs(type(obj)).items():
+        (tags if spec.per_run else params)[name] = getattr(obj, name)
+    return params, tags
 
 
 # --------------------------------------------------------------------------- checking

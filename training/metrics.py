@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import time
 from pathlib import Path
@@ -200,11 +201,27 @@ def start_system_metrics(run_id: str | None):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         monitor = SystemMetricsMonitor(run_id, resume_logging=True)
+        if not os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"):
+            _ramp(monitor)
         monitor.start()
         return _SystemMetrics(monitor)
     except Exception as e:  # metrics about the machine must never stop training
         logger.warning(f"system metrics: not logged ({e})")
         return None
+
+
+def _ramp(monitor, first_s: float = 1.0) -> None:
+    """Sample after 1 s, then 2, 4, 8 s and from then on at MLflow's interval (10 s): a run of
+    twenty seconds still gets several samples, a long one no more points than MLflow's default.
+    The monitor's loop reads ``sampling_interval`` before every wait."""
+    final, publish = monitor.sampling_interval, monitor.publish_metrics
+    monitor.sampling_interval = min(first_s, final)
+
+    def publish_then_slow_down(metrics):
+        publish(metrics)
+        monitor.sampling_interval = min(final, 2 * monitor.sampling_interval)
+
+    monitor.publish_metrics = publish_then_slow_down
 
 
 class _SystemMetrics:

@@ -11,9 +11,12 @@ holds the exact bytes the pipeline verified.
 
 The gate: the new version takes the alias ``champion`` when its ``eval/accuracy`` beats the
 current champion's by more than ``margin`` (or when there is no champion yet); otherwise it is
-tagged ``challenger`` and the alias ``challenger`` points to it. Either way the run and the
-version carry the decision and the reason (tags ``registry.decision`` / ``registry.reason`` and
-the run's description), so the MLflow UI answers "why is this not the champion?".
+tagged ``challenger``. The alias ``challenger`` then goes to the best version that is not the
+champion, by the recorded gate metric (ties: the newer version): the runner-up to beat, not
+whichever model lost last (a 20-step smoke test would otherwise displace a strong contender).
+Either way the run and the version carry the decision and the reason (tags ``registry.decision``
+/ ``registry.reason``; ``registry.aliases`` says both aliases' versions and numbers, which the
+run's description shows), so the MLflow UI answers "why is this not the champion?".
 
 Retries are idempotent: a run that already has a version of ``registered_model`` reuses it, and
 a version that already carries a decision keeps it. Two runs gating the same registered model at
@@ -38,6 +41,7 @@ CHALLENGER = "challenger"
 GATE_METRIC = "eval/accuracy"
 TAG_DECISION = "registry.decision"
 TAG_REASON = "registry.reason"
+TAG_ALIASES = "registry.aliases"
 
 
 def _client():
@@ -159,10 +163,38 @@ def register_and_gate(*, run_id: str, model_dir: str | Path, registered_model: s
         decision, reason = decide(metric_value, champion_value, margin)
     if champion is not None:
         reason += f" (champion: version {champion.version} from run {champion.run_id}{basis})"
-    alias = CHAMPION if decision == CHAMPION else CHALLENGER
-    client.set_registered_model_alias(registered_model, alias, version.version)
+    if decision == CHAMPION:
+        client.set_registered_model_alias(registered_model, CHAMPION, version.version)
     return _record(client, registered_model, version, run_id, decision, reason,
                    str(champion.version) if champion is not None else None)
+
+
+def update_challenger(client, name: str) -> str:
+    """Point ``challenger`` at the best version that is not the champion (by the recorded gate
+    metric; ties: the newer version), or remove it when there is none. Returns both aliases as a
+    line for people: ``champion v3 (eval/accuracy 0.8123); challenger v2 (eval/accuracy 0.7990)``."""
+    from mlflow.exceptions import MlflowException
+
+    champion = _champion(client, name)
+    best, best_value = None, None
+    for v in client.search_model_versions(f"name = '{name}'"):
+        value = _recorded_metric(client, v)
+        if value is None or (champion is not None and str(v.version) == str(champion.version)):
+            continue
+        if best is None or (value, int(v.version)) > (best_value, int(best.version)):
+            best, best_value = v, value
+    if best is not None:
+        client.set_registered_model_alias(name, CHALLENGER, best.version)
+    else:
+        with contextlib.suppress(MlflowException):
+            client.delete_registered_model_alias(name, CHALLENGER)
+    parts = []
+    if champion is not None:
+        value = _recorded_metric(client, champion)
+        parts.append(f"champion v{champion.version}" + (f" ({GATE_METRIC} {value:.4f})" if value is not None else ""))
+    if best is not None:
+        parts.append(f"challenger v{best.version} ({GATE_METRIC} {best_value:.4f})")
+    return "; ".join(parts) or "none"
 
 
 def _champion_value(client, name: str, champion, data_fingerprint: str | None,
@@ -199,10 +231,10 @@ def _record(client, name: str, version, run_id: str, decision: str, reason: str,
     client.set_model_version_tag(name, version.version, TAG_DECISION, decision)
     client.set_model_version_tag(name, version.version, TAG_REASON, reason)
     client.update_model_version(name, version.version, description=f"{decision}: {reason}")
-    note = (f"Registered as **{name}** version {version.version}: **{decision}**.\n\n{reason}")
+    aliases = update_challenger(client, name)
     client.log_batch(run_id, tags=[RunTag(TAG_DECISION, decision), RunTag(TAG_REASON, reason),
                                    RunTag("registry.model", name), RunTag("registry.version", str(version.version)),
-                                   RunTag("mlflow.note.content", note)])
+                                   RunTag(TAG_ALIASES, aliases)])
     return _result(name, version, decision, reason, previous)
 
 

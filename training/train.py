@@ -91,7 +91,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     train = load_split(cfg.dataset_uri, "train")
 
     info = distributed.init(cfg.collective_timeout_s)
-    log.init(info.rank)
+    log.init(info.rank, cfg.output_dir or None)
     try:
         return Trainer(cfg, info, meta, train).fit()
     finally:

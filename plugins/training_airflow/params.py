@@ -35,6 +35,9 @@ class RunParams:
 
     experiment: str = knob("distributed_training", "MLflow experiment the run is recorded in; also the first part "
                            "of checkpoint keys", title="MLflow experiment", pattern=NAME_PATTERN)
+    run_name: str | None = knob(
+        None, "name of the MLflow run; empty: what it trains, e.g. mlp-ddp-fp32-2ranks-300steps (the Airflow run id "
+        "is kept in the tag airflow.dag_run_id)", title="MLflow run name", schema={"maxLength": 250})
     backend: Literal["local", "kubernetes"] = knob(
         "local", "local: torchrun on the Airflow worker (world_size ranks); kubernetes: an Indexed Job of k8s_nnodes "
         "pods on a cluster (the Kubernetes section). The form offers the backends the deployment enables "

@@ -60,6 +60,23 @@ def _init_sqlite_store(uri: str) -> None:
     _STORES_READY.add(uri)
 
 
+def mlflow_ui_url() -> str:
+    """Where people open MLflow (links, printed URLs): ``TRAINING_MLFLOW_UI_URL``; else the tracking
+    server itself when the tracking URI is one; else ``make mlflow-ui``'s address."""
+    ui = os.environ.get("TRAINING_MLFLOW_UI_URL") or ""
+    if not ui:
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        ui = uri if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return ui.rstrip("/")
+
+
+def airflow_ui_url() -> str:
+    """Where people open Airflow: its ``[api] base_url`` (``AIRFLOW__API__BASE_URL``)."""
+    from airflow.configuration import conf  # loaded already in every Airflow process
+
+    return (conf.get("api", "base_url", fallback="") or "http://127.0.0.1:8080").rstrip("/")
+
+
 def resolve_path(value: str) -> str:
     """A relative dataset path in a Param is relative to the project, not to the worker's cwd."""
     if "://" in value or Path(value).is_absolute():

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from training_airflow import backends, context, lifecycle, settings
+from training_airflow import backends, context, lifecycle, links, settings
 from training_airflow.context import Handoff, Opened, fails_fast
 from training_airflow.params import run_tags
 
@@ -26,7 +26,10 @@ log = logging.getLogger(__name__)
 
 def _record_verdict(logger, report: dict[str, Any], docs_dir: str) -> None:
     """The data gate's verdict in the MLflow run: tags, data_validation.json (failed expectations
-    with observed values, every file's sha256, row counts) and GX's Data Docs under data_docs/."""
+    with observed values, every file's sha256, row counts), the one-page summary data_gate.html and
+    GX's Data Docs under data_docs/; the data as the run's dataset input when it passed."""
+    from training.reports import data_gate_page
+
     tags = {"data.validation": "passed" if report["success"] else "failed",
             "data.failed_expectations": len(report["failures"])}
     if report.get("fingerprint"):
@@ -35,6 +38,10 @@ def _record_verdict(logger, report: dict[str, Any], docs_dir: str) -> None:
         tags[f"data.rows_{split}"] = rows
     logger.set_tags({**tags, "dataset_uri": report["dataset_uri"]})
     logger.log_text(json.dumps(report, indent=2), "data_validation.json")
+    logger.log_text(data_gate_page(report), "data_gate.html")
+    if report["success"] and report.get("fingerprint"):
+        logger.log_dataset(Path(report["dataset_uri"]).name, uri=report["dataset_uri"], fingerprint=report["fingerprint"],
+                           schema=report.get("schema") or {}, rows=report.get("rows", {}))
     if report.get("data_docs"):
         # The HTML pages and their style sheet; GX's bundled fonts and images (~4 MB) stay out.
         shutil.rmtree(Path(docs_dir) / "static" / "fonts", ignore_errors=True)
@@ -42,15 +49,27 @@ def _record_verdict(logger, report: dict[str, Any], docs_dir: str) -> None:
         logger.client.log_artifacts(logger.run_id, docs_dir, "data_docs")
 
 
+def run_name(params: dict[str, Any], world_size: int) -> str:
+    """The MLflow run's name: the ``run_name`` Param, else what the run trains, readable at a glance
+    (``mlp-ddp-fp32-2ranks-300steps``); the Airflow run id stays in the tag ``airflow.dag_run_id``."""
+    given = (params.get("run_name") or "").strip()
+    if given:
+        return given
+    parts = [str(params.get(k, "")) for k in ("model", "strategy", "precision") if params.get(k)]
+    return "-".join([*parts, f"{world_size}rank{'s' if world_size != 1 else ''}", f"{params.get('steps')}steps"])
+
+
 @fails_fast
-def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_uri: str | None = None) -> Opened:
+def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_uri: str | None = None,
+                  dag_run: Any = None) -> Opened:
     """Check the run's Params, open (or re-open) this DAG run's MLflow run, run the data gate.
 
     ``dataset_uri`` (from the asset event of a data-driven run) replaces the Param; later tasks
-    get the resolved folder through ``Opened``."""
+    get the resolved folder through ``Opened``. ``dag_run`` (the task context's) gives the MLflow
+    run the link back to Airflow."""
     settings.ensure_tracking_uri()
     from training.config import check_path_part
-    from training.tracking import open_run
+    from training.tracking import describe, open_run
     from training.validation import DataValidationError, validate
 
     dataset = settings.resolve_path(dataset_uri or params["dataset_uri"])
@@ -59,10 +78,12 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, datas
     world_size = backends.check_params(params)  # the backend's rules, before any rank starts
     context.store_env(params)  # a missing or unreadable aws_conn_id fails here too
 
-    run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=dag_run_id,
+    run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=run_name(params, world_size),
                       tags={**run_tags(params), "world_size": str(world_size)})
     logger = context.run_logger(run_id)
-    log.info("MLflow run %s (experiment %s)", run_id, experiment)
+    if dag_run is not None:
+        logger.set_tags(links.airflow_tags(dag_run))
+    log.info("MLflow run %s (experiment %s): %s", run_id, experiment, links.mlflow_run_page(dag_id, dag_run_id))
     # Earlier runs of this DAG that were cancelled (no callback tells us) are KILLED from here on.
     lifecycle.reconcile(logger.client.get_run(run_id).info.experiment_id, dag_id=dag_id, current_run_id=dag_run_id)
     with tempfile.TemporaryDirectory(prefix="gx-docs-") as docs:
@@ -73,6 +94,7 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, datas
             logger.finish("FAILED")
             raise
         _record_verdict(logger, report, docs)
+    describe(run_id)
     log.info("data gate passed: %s rows, fingerprint %s", report["rows"], report["fingerprint"][:16])
     return Opened(mlflow_run_id=run_id, dataset_uri=dataset, dataset_fingerprint=report["fingerprint"])
 
@@ -101,6 +123,8 @@ def evaluate(params: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
                  dataset_uri=handoff["dataset_uri"], work_dir=str(settings.work_dir()), store_env=store_env)
     logger = context.run_logger(run_id)
     logger.log_metrics_once({"eval/loss": result["eval/loss"], "eval/accuracy": result["eval/accuracy"]}, step=result["step"])
+    if result.get("report"):
+        _log_evaluation_report(logger, result["report"], result["step"])
     if result["warnings"]:
         for w in result["warnings"]:
             log.warning("checkpoint fallback: %s", w)
@@ -112,6 +136,16 @@ def evaluate(params: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
              result["eval/accuracy"], known or "no reference values for this dataset")
     return {**handoff, "eval_loss": result["eval/loss"], "eval_accuracy": result["eval/accuracy"],
             "eval_step": result["step"], "evaluated_step_dir": result["checkpoint_step_dir"]}
+
+
+def _log_evaluation_report(logger, report: dict[str, Any], step: int) -> None:
+    """evaluation/: report.html (per-class precision and recall, confusion matrix for a
+    classifier), report.json and the matrix as a picture (training/reports.py)."""
+    from training.reports import evaluation_files
+
+    with tempfile.TemporaryDirectory(prefix="evaluation-") as tmp:
+        evaluation_files(report, Path(tmp), step=step)
+        logger.client.log_artifacts(logger.run_id, tmp, "evaluation")
 
 
 def keep_checkpoints(params: dict[str, Any], run_id: str, result: dict[str, Any], store_env: dict[str, str]) -> None:
@@ -141,6 +175,7 @@ def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
     from training.checkpoint import MODEL_CONFIG_FILE, MODEL_FILE
     from training.evaluate import example_inputs, score_folder
     from training.storage import fetch_checkpoint
+    from training.tracking import describe
 
     run_id, dataset = scored["mlflow_run_id"], scored["dataset_uri"]
     name = params.get("registered_model") or params["experiment"]
@@ -155,20 +190,32 @@ def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
             step=scored["eval_step"], data_fingerprint=scored.get("dataset_fingerprint"),
             score_model=lambda folder: score_folder(folder, dataset)["eval/accuracy"])
     log.info("registry: %s version %s is %s: %s", gate["registered_model"], gate["version"], gate["decision"], gate["reason"])
+    describe(run_id)  # the decision and both aliases on the run's page
     return {**scored, "registry": gate}
 
 
 @fails_fast
 def report(params: dict[str, Any], registered: dict[str, Any], *, dag_run_start: datetime | None) -> dict[str, Any]:
-    """Close the MLflow run and record how much of the DAG's wall time was orchestration."""
+    """Record how much of the DAG's wall time was orchestration, draw the run's plots, close the
+    MLflow run and write its description (what its page shows first)."""
+    from training.reports import run_plots
+    from training.tracking import describe, run_url, summary_of
+
     run_id = registered["mlflow_run_id"]
     logger = context.run_logger(run_id)
-    metrics = {}
+    figures = {}
     if dag_run_start is not None:
         wall = (datetime.now(timezone.utc) - dag_run_start).total_seconds()
-        metrics = {"pipeline/dag_wall_s": wall, "pipeline/orchestration_overhead_s": wall - registered["torchrun_wall_s"]}
-        logger.log_metrics_once(metrics, step=registered["final_step"])
+        figures = {"dag_wall_s": wall, "orchestration_overhead_s": wall - registered["torchrun_wall_s"]}
+        logger.log_summary(figures)
+    with tempfile.TemporaryDirectory(prefix="plots-") as tmp:
+        if run_plots(logger.client, run_id, Path(tmp)):
+            logger.client.log_artifacts(run_id, tmp, "plots")
     logger.finish("FINISHED")
-    summary = {**registered, **metrics, "finished_unix": time.time()}
+    describe(run_id)
+    summary = {**registered, **figures, "finished_unix": time.time()}
     log.info("run summary: %s", json.dumps(summary))
+    run = logger.client.get_run(run_id)
+    log.info("MLflow run page: %s", run_url(settings.mlflow_ui_url(), run.info.experiment_id, run_id))
+    log.info("run summary figures: %s", json.dumps(summary_of(run), sort_keys=True))
     return summary

@@ -196,8 +196,7 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
         raise explain_failure(result)
 
     summary = json.loads((run_dir / "output" / "train_summary.json").read_text())
-    context.run_logger(run_id).log_metrics_once({"pipeline/torchrun_wall_s": result.wall_s},
-                                                step=summary["final_step"])
+    context.run_logger(run_id).log_summary({"torchrun_wall_s": result.wall_s})
     return {**opened, "checkpoint_path": summary["checkpoint_path"], "final_step": summary["final_step"],
             "torchrun_wall_s": result.wall_s}
 
@@ -216,7 +215,7 @@ def commit(params: dict[str, Any], trained: dict[str, Any]) -> Handoff:
     log.info("committed %s (%d objects uploaded, %d already there) in %.2fs", c.uri, c.uploaded, c.skipped, c.seconds)
     logger = context.run_logger(run_id)
     logger.set_tags({"checkpoint.uri": c.uri})
-    logger.log_metrics_once({"ckpt/upload_s": c.seconds}, step=trained["final_step"])
+    logger.log_summary({"upload_s": c.seconds})
     return Handoff(mlflow_run_id=run_id, dataset_uri=trained["dataset_uri"],
                    dataset_fingerprint=trained["dataset_fingerprint"], checkpoint_uri=c.uri,
                    final_step=trained["final_step"], torchrun_wall_s=trained["torchrun_wall_s"])

@@ -61,8 +61,8 @@ def confirm_commit(params: dict[str, Any], opened: Opened, *, job: dict[str, Any
     handoff = committed_handoff(params, opened, job=job)
     logger = run_logger(handoff["mlflow_run_id"])
     logger.set_tags({"checkpoint.uri": handoff["checkpoint_uri"]})
-    # Same metric name as the local backend; here it is the Job's start-to-completion time.
-    logger.log_metrics_once({"pipeline/torchrun_wall_s": handoff["torchrun_wall_s"]}, step=handoff["final_step"])
+    # Same summary figure as the local backend; here it is the Job's start-to-completion time.
+    logger.log_summary({"torchrun_wall_s": handoff["torchrun_wall_s"]})
     log.info("committed %s (step %d); Job wall time %.0fs", handoff["checkpoint_uri"], handoff["final_step"],
              handoff["torchrun_wall_s"])
     return handoff
