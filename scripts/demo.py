@@ -5,6 +5,7 @@ Airflow DagRun in the project-local SQLite metadata DB, tasks run one after anot
 the run back from MLflow and prints where to look. Run it again for a second run.
 
     python scripts/demo.py [--set key=value ...]     # e.g. --set world_size=1 --set steps=500
+    python scripts/demo.py --set dataset_uri=/data/wine --set label_column=target   # your own table
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def main() -> int:
     from training_airflow import settings
 
     tracking_uri = settings.ensure_tracking_uri()
-    dataset = Path(settings.resolve_path(conf.get("dataset_uri", settings.default_dataset_uri())))
-    if not (dataset / "dataset.json").exists():
+    dataset = Path(settings.resolve_path(settings.default_dataset_uri()))
+    if "dataset_uri" not in conf and not (dataset / "dataset.json").exists():  # never write into a user's folder
         print(f"==> making the demo dataset in {dataset}")
         subprocess.run([sys.executable, "-m", "training", "make-data", "--out", str(dataset)], check=True)
 
@@ -79,8 +80,10 @@ def main() -> int:
     print(f"Tracking URI : {tracking_uri}")
     print(f"Open the UI  : make mlflow-ui   then  http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}")
     print(f"Checkpoint   : {tags.get('checkpoint.uri', '(not uploaded)')}")
-    if "eval/accuracy" in m:
-        print(f"Evaluation   : accuracy {m['eval/accuracy']:.4f}, loss {m['eval/loss']:.4f}")
+    figures = [f"{k.removeprefix('eval/')} {m[k]:.4f}" for k in ("eval/accuracy", "eval/r2", "eval/rmse", "eval/loss")
+               if k in m]
+    if figures:
+        print(f"Evaluation   : {', '.join(figures)}")
     if "train/loss" in m:
         print(f"Training     : last train/loss {m['train/loss']:.4f}, perf/samples_per_s {m.get('perf/samples_per_s', 0):.0f}, "
               f"comm/s_per_step {1000 * m.get('comm/s_per_step', 0):.2f} ms")

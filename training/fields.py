@@ -13,7 +13,7 @@ an optional value), the knob its default, title, help text and limits. From that
 - ``help_lines`` and ``markdown_table``: the CLI's ``--help`` and the tables in the docs.
 
 Supported types: ``int``, ``float``, ``bool``, ``str``, ``Literal[...]`` of strings,
-``X | None`` of those, and ``dict[str, str]``. This module imports nothing heavy (no torch, no
+``X | None`` of those, ``dict[str, str]`` and ``dict[str, Any]`` (any JSON object, passed through). This module imports nothing heavy (no torch, no
 Airflow): the pods, the CLI and the DAG parser all read it.
 """
 
@@ -64,7 +64,7 @@ class Spec:
     """What a declared field allows, resolved from its annotation and its knob."""
 
     name: str
-    kind: str  # JSON-schema type: integer, number, boolean, string, object
+    kind: str  # JSON-schema type: integer, number, boolean, string, object; json: an object of any JSON values
     optional: bool
     choices: tuple[str, ...] | None
     default: Any
@@ -82,7 +82,7 @@ class Spec:
 
 _KINDS = {int: "integer", float: "number", bool: "boolean", str: "string"}
 _ARTICLE = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string",
-            "object": "a JSON object of strings"}
+            "object": "a JSON object of strings", "json": "a JSON object"}
 
 
 def _resolve(hint: Any) -> tuple[str, bool, tuple[str, ...] | None]:
@@ -96,7 +96,8 @@ def _resolve(hint: Any) -> tuple[str, bool, tuple[str, ...] | None]:
     if get_origin(hint) is Literal:
         return "string", optional, tuple(get_args(hint))
     if get_origin(hint) is dict or hint is dict:
-        return "object", optional, None
+        value = (get_args(hint) or (str, str))[1]
+        return ("json" if value is Any else "object"), optional, None
     if hint in _KINDS:
         return _KINDS[hint], optional, None
     raise TypeError(f"unsupported field type {hint!r}")
@@ -144,6 +145,7 @@ def check_value(spec: Spec, value: Any) -> None:
           "boolean": isinstance(value, bool),
           "string": isinstance(value, str),
           "object": isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()),
+          "json": isinstance(value, dict) and all(isinstance(k, str) for k in value) and _is_json(value),
           }[kind]
     if kind == "number" and ok and not math.isfinite(value):
         ok = False
@@ -157,6 +159,14 @@ def check_value(spec: Spec, value: Any) -> None:
         low, high, excl = spec.minimum, spec.maximum, spec.exclusive_minimum
         if (low is not None and value < low) or (high is not None and value > high) or (excl is not None and value <= excl):
             raise ConfigError(name, f"{value!r} is out of range", f"set {name} to {_ARTICLE[kind]}{_range(spec)}")
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _num(v: float) -> str:
@@ -198,7 +208,7 @@ def parse_value(spec: Spec, raw: str) -> Any:
             if raw.lower() not in _TRUE + _FALSE:
                 raise ValueError(raw)
             return raw.lower() in _TRUE
-        if spec.kind == "object":
+        if spec.kind in ("object", "json"):
             value = json.loads(raw)
             if not isinstance(value, dict):
                 raise ValueError(raw)
@@ -215,7 +225,7 @@ def format_value(spec: Spec, value: Any) -> str:
         return ""
     if spec.kind == "boolean":
         return "true" if value else "false"
-    if spec.kind == "object":
+    if spec.kind in ("object", "json"):
         return json.dumps(value, sort_keys=True)
     if spec.kind == "number":
         return repr(float(value))
@@ -253,7 +263,8 @@ def set_args(cls: type, values: dict[str, Any]) -> list[str]:
 
 def json_schema(spec: Spec) -> dict[str, Any]:
     """The field's JSON schema (an Airflow ``Param``'s keywords, without the default)."""
-    schema: dict[str, Any] = {"type": [spec.kind, "null"] if spec.optional else spec.kind, "title": spec.title,
+    kind = "object" if spec.kind == "json" else spec.kind
+    schema: dict[str, Any] = {"type": [kind, "null"] if spec.optional else kind, "title": spec.title,
                               "description": spec.help}
     if spec.choices is not None:
         schema["enum"] = [*spec.choices, *([None] if spec.optional else [])]
@@ -270,6 +281,8 @@ def json_schema(spec: Spec) -> dict[str, Any]:
 def _allowed(spec: Spec) -> str:
     if spec.choices is not None:
         return " | ".join(spec.choices)
+    if spec.kind == "json":
+        return "JSON object"
     bounds = _range(spec).strip()
     return f"{spec.kind} {bounds}".strip()
 
