@@ -283,6 +283,8 @@ def _allowed(spec: Spec) -> str:
         return " | ".join(spec.choices)
     if spec.kind == "json":
         return "JSON object"
+    if spec.schema.get("examples"):
+        return f"{spec.kind}, e.g. {', '.join(map(str, spec.schema['examples']))}"
     bounds = _range(spec).strip()
     return f"{spec.kind} {bounds}".strip()
 
