@@ -32,6 +32,9 @@ fingerprint of the data (sha256 of every file read, row counts) and, as ``data_s
 data is (layout, description with the task and why, train's columns, classes and their shares, the
 schema checked). With ``docs_dir`` GX's own Data Docs (HTML) are built there from the stored
 validation results.
+
+One module of about 400 lines: opening the data, the suite, the two custom expectations it uses and
+the verdict's lines are one flow; what the data must look like lives in training/schema.py.
 """
 
 from __future__ import annotations
