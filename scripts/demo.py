@@ -10,6 +10,7 @@ after `make airflow-up` the run's page shows every task's log, like a run made b
 of four Airflow parts before the first task.
 
     python scripts/demo.py [--set key=value ...]     # e.g. --set world_size=1 --set steps=500
+    python scripts/demo.py --set dataset_uri=/data/wine --set label_column=target   # your own table
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def main() -> int:
     from training_airflow import settings
 
     tracking_uri = settings.ensure_tracking_uri()
-    dataset = Path(settings.resolve_path(conf.get("dataset_uri", settings.default_dataset_uri())))
-    if not (dataset / "dataset.json").exists():
+    dataset = Path(settings.resolve_path(settings.default_dataset_uri()))
+    if "dataset_uri" not in conf and not (dataset / "dataset.json").exists():  # never write into a user's folder
         print(f"==> making the demo dataset in {dataset}")
         subprocess.run([sys.executable, "-m", "training", "make-data", "--out", str(dataset)], check=True)
 
@@ -93,8 +94,10 @@ def main() -> int:
     print(f"  all runs   : {experiment_url(ui, exp.experiment_id)}")
     print(f"Airflow UI   : make airflow-up  then  {airflow_run_url(dag_run.dag_id, dag_run.run_id)}  (task logs, link to MLflow)")
     print(f"Checkpoint   : {tags.get('checkpoint.uri', '(not uploaded)')}")
-    if "eval/accuracy" in m:
-        print(f"Evaluation   : accuracy {m['eval/accuracy']:.4f}, loss {m['eval/loss']:.4f}")
+    figures = [f"{k.removeprefix('eval/')} {m[k]:.4f}" for k in ("eval/accuracy", "eval/r2", "eval/rmse", "eval/loss")
+               if k in m]
+    if figures:
+        print(f"Evaluation   : {', '.join(figures)}")
     if "train/loss" in m:
         print(f"Training     : last train/loss {m['train/loss']:.4f}, perf/samples_per_s {m.get('perf/samples_per_s', 0):.0f}, "
               f"comm/s_per_step {1000 * m.get('comm/s_per_step', 0):.2f} ms")

@@ -26,6 +26,7 @@ os.environ.update(
     AIRFLOW__CORE__UNIT_TEST_MODE="False",
     MLFLOW_TRACKING_URI=f"sqlite:///{_TMP / 'mlflow' / 'mlflow.db'}",
     TRAINING_VAR_DIR=str(_TMP / "var"),
+    TRAINING_DATA_CACHE=str(_TMP / "data-cache"),  # S3 datasets' local copies (training/tables.py)
     GLOO_SOCKET_IFNAME="lo",
     GX_ANALYTICS_ENABLED="False",
     MLFLOW_ENABLE_TELEMETRY="false",

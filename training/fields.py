@@ -13,7 +13,7 @@ an optional value), the knob its default, title, help text and limits. From that
 - ``help_lines`` and ``markdown_table``: the CLI's ``--help`` and the tables in the docs.
 
 Supported types: ``int``, ``float``, ``bool``, ``str``, ``Literal[...]`` of strings,
-``X | None`` of those, and ``dict[str, str]``. This module imports nothing heavy (no torch, no
+``X | None`` of those, ``dict[str, str]`` and ``dict[str, Any]`` (any JSON object, passed through). This module imports nothing heavy (no torch, no
 Airflow): the pods, the CLI and the DAG parser all read it.
 """
 
@@ -67,7 +67,7 @@ class Spec:
     """What a declared field allows, resolved from its annotation and its knob."""
 
     name: str
-    kind: str  # JSON-schema type: integer, number, boolean, string, object
+    kind: str  # JSON-schema type: integer, number, boolean, string, object; json: an object of any JSON values
     optional: bool
     choices: tuple[str, ...] | None
     default: Any
@@ -86,7 +86,7 @@ class Spec:
 
 _KINDS = {int: "integer", float: "number", bool: "boolean", str: "string"}
 _ARTICLE = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string",
-            "object": "a JSON object of strings"}
+            "object": "a JSON object of strings", "json": "a JSON object"}
 
 
 def _resolve(hint: Any) -> tuple[str, bool, tuple[str, ...] | None]:
@@ -100,7 +100,8 @@ def _resolve(hint: Any) -> tuple[str, bool, tuple[str, ...] | None]:
     if get_origin(hint) is Literal:
         return "string", optional, tuple(get_args(hint))
     if get_origin(hint) is dict or hint is dict:
-        return "object", optional, None
+        value = (get_args(hint) or (str, str))[1]
+        return ("json" if value is Any else "object"), optional, None
     if hint in _KINDS:
         return _KINDS[hint], optional, None
     raise TypeError(f"unsupported field type {hint!r}")
@@ -156,6 +157,7 @@ def check_value(spec: Spec, value: Any) -> None:
           "boolean": isinstance(value, bool),
           "string": isinstance(value, str),
           "object": isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()),
+          "json": isinstance(value, dict) and all(isinstance(k, str) for k in value) and _is_json(value),
           }[kind]
     if kind == "number" and ok and not math.isfinite(value):
         ok = False
@@ -169,6 +171,14 @@ def check_value(spec: Spec, value: Any) -> None:
         low, high, excl = spec.minimum, spec.maximum, spec.exclusive_minimum
         if (low is not None and value < low) or (high is not None and value > high) or (excl is not None and value <= excl):
             raise ConfigError(name, f"{value!r} is out of range", f"set {name} to {_ARTICLE[kind]}{_range(spec)}")
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _num(v: float) -> str:
@@ -210,7 +220,7 @@ def parse_value(spec: Spec, raw: str) -> Any:
             if raw.lower() not in _TRUE + _FALSE:
                 raise ValueError(raw)
             return raw.lower() in _TRUE
-        if spec.kind == "object":
+        if spec.kind in ("object", "json"):
             value = json.loads(raw)
             if not isinstance(value, dict):
                 raise ValueError(raw)
@@ -227,7 +237,7 @@ def format_value(spec: Spec, value: Any) -> str:
         return ""
     if spec.kind == "boolean":
         return "true" if value else "false"
-    if spec.kind == "object":
+    if spec.kind in ("object", "json"):
         return json.dumps(value, sort_keys=True)
     if spec.kind == "number":
         return repr(float(value))
@@ -265,7 +275,8 @@ def set_args(cls: type, values: dict[str, Any]) -> list[str]:
 
 def json_schema(spec: Spec) -> dict[str, Any]:
     """The field's JSON schema (an Airflow ``Param``'s keywords, without the default)."""
-    schema: dict[str, Any] = {"type": [spec.kind, "null"] if spec.optional else spec.kind, "title": spec.title,
+    kind = "object" if spec.kind == "json" else spec.kind
+    schema: dict[str, Any] = {"type": [kind, "null"] if spec.optional else kind, "title": spec.title,
                               "description": spec.help}
     if spec.choices is not None:
         schema["enum"] = [*spec.choices, *([None] if spec.optional else [])]
@@ -282,6 +293,10 @@ def json_schema(spec: Spec) -> dict[str, Any]:
 def _allowed(spec: Spec) -> str:
     if spec.choices is not None:
         return " | ".join(spec.choices)
+    if spec.kind == "json":
+        return "JSON object"
+    if spec.schema.get("examples"):
+        return f"{spec.kind}, e.g. {', '.join(map(str, spec.schema['examples']))}"
     bounds = _range(spec).strip()
     return f"{spec.kind} {bounds}".strip()
 

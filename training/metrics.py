@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from training.config import higher_is_better
 from training.log import logger
 from training.util import atomic_write
 
@@ -165,8 +166,8 @@ class RunClock:
 
 
 def target_reached(metric: str, value: float, target: float) -> bool:
-    """Accuracy must reach the target from below, a loss from above."""
-    return value >= target if metric.endswith("accuracy") else value <= target
+    """Accuracy and R² must reach the target from below, a loss or an RMSE from above."""
+    return value >= target if higher_is_better(metric) else value <= target
 
 
 def lineage_summary(records: list[dict[str, Any]], *, start: float, end: float) -> dict[str, float]:

@@ -112,8 +112,28 @@ def classification_report(model, kind: str, features, labels) -> dict[str, Any]:
             "confusion_matrix": confusion.tolist()}
 
 
+def regression_report(model, kind: str, features, labels, batch: int = 2048) -> dict[str, Any]:
+    """Residuals (label - prediction, in the label's units) over the validation split: RMSE, MAE,
+    R², the residuals' quantiles, and up to 2,000 (prediction, residual) points for the plot."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        pred = torch.cat([model(features[s:s + batch]).reshape(-1).double() for s in range(0, len(features), batch)])
+    true = labels.reshape(-1).double()
+    residual = true - pred
+    total = ((true - true.mean()) ** 2).sum()
+    quantiles = torch.quantile(residual, torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=torch.float64))
+    every = max(1, len(pred) // 2000)
+    return {"task": "regression", "rows": int(true.numel()), "rmse": float(residual.pow(2).mean().sqrt()),
+            "mae": float(residual.abs().mean()), "r2": float(1 - residual.pow(2).sum() / total) if total > 0 else None,
+            "residual_quantiles": dict(zip(("p05", "p25", "p50", "p75", "p95"), quantiles.tolist())),
+            "points": [[float(a), float(b)] for a, b in zip(pred[::every], residual[::every])]}
+
+
 # The evaluation report of each task: what a person checks for that kind of model.
-EVALUATION_REPORTS: dict[str, Callable[..., dict[str, Any]]] = {"classification": classification_report}
+EVALUATION_REPORTS: dict[str, Callable[..., dict[str, Any]]] = {"classification": classification_report,
+                                                                "regression": regression_report}
 
 
 def evaluation_report(meta: dict[str, Any], model, features, labels) -> dict[str, Any] | None:
@@ -142,6 +162,18 @@ def _confusion_png(report: dict[str, Any], path: Path) -> None:
     _save(fig, path)
 
 
+def _residuals_png(report: dict[str, Any], path: Path) -> None:
+    from training.compare import _figure, _save
+
+    fig, ax = _figure(7, 4.5)
+    if report["points"]:
+        x, y = zip(*report["points"])
+        ax.scatter(x, y, s=6, alpha=0.5, color="#4C72B0")
+    ax.axhline(0.0, color="grey", linewidth=1)
+    ax.set(title="Residuals against predictions (validation)", xlabel="prediction", ylabel="label - prediction")
+    _save(fig, path, (ax,))
+
+
 def _base64(path: Path) -> str:
     import base64
 
@@ -149,7 +181,8 @@ def _base64(path: Path) -> str:
 
 
 def evaluation_files(report: dict[str, Any], out: Path, *, step: int | None = None) -> list[Path]:
-    """``report.json``, ``report.html`` and (classification) ``confusion_matrix.png`` in ``out``."""
+    """``report.json``, ``report.html`` and the picture (a classifier's ``confusion_matrix.png``, a
+    regressor's ``residuals.png``) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     files = [out / "report.json"]
@@ -167,6 +200,15 @@ def evaluation_files(report: dict[str, Any], out: Path, *, step: int | None = No
                          [[i, *row] for i, row in enumerate(report["confusion_matrix"])])
                 # Inline: MLflow's viewer shows the page from a blob, where a relative file cannot load.
                 + f'<p><img src="data:image/png;base64,{_base64(out / "confusion_matrix.png")}" alt="confusion matrix"></p>')
+    elif report["task"] == "regression":
+        _residuals_png(report, out / "residuals.png")
+        files.append(out / "residuals.png")
+        r2 = f"{report['r2']:.4f}" if report["r2"] is not None else "n/a"
+        rows = [[k, f"{v:.4g}"] for k, v in report["residual_quantiles"].items()]
+        body = (f"<p>{report['rows']} validation rows{where}: RMSE <b>{report['rmse']:.4g}</b>, MAE "
+                f"{report['mae']:.4g}, R² {r2}.</p><h2>Residuals (label - prediction)</h2>"
+                + _table(["quantile", "residual"], rows)
+                + f'<p><img src="data:image/png;base64,{_base64(out / "residuals.png")}" alt="residuals"></p>')
     else:
         body = f"<pre>{html.escape(json.dumps(report, indent=2))}</pre>"
     (out / "report.html").write_text(_page(f"Evaluation ({report['task']})", body))

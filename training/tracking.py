@@ -138,7 +138,9 @@ class RunLogger:
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        # JSON for objects (model_args, dict Params), so a param reads back as what was set.
+        items = [Param(k, (json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v))[:6000])
+                 for k, v in params.items()]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 

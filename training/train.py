@@ -46,12 +46,12 @@ import torch
 
 from training import checkpoint, distributed, faults, log, metrics, precision
 from training.config import ConfigError, TrainConfig
-from training.data import ShardedSampler, load_split
-from training.datasets import read_meta
+from training.data import Dataset, ShardedSampler, open_dataset
 from training.evaluate import Evaluator
-from training.models import build_model, loss_fn, model_spec, split_batch
+from training.models import build_model, check_model, loss_fn, model_spec, split_batch, target_variance
 from training.resilience import EXIT_PREEMPTED, FaultReport, Phase, Preempted, Preemption, RankRecord, ReplicaCheck
 from training.telemetry import StepLog, StepResult, Telemetry
+from training.tables import DataOptions
 from training.tracking import logger_for
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "StepLog", "Trainer", "lr_lambda", "run"]
@@ -75,25 +75,36 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> tuple[Dataset, dict[str, Any], Any]:
+    """The data and the model spec, checked: the dataset opened (S3 through the local cache; data
+    that changed since the gate refused), described, its train split read, the normalization
+    statistics computed once from it, and the model built and run on two rows. Raises
+    ConfigError naming the field to fix. ``dataset``: one already open (the Airflow pre-launch check)."""
+    if dataset is None:
+        dataset = open_dataset(cfg.dataset_uri, DataOptions.of(cfg), expect_fingerprint=cfg.dataset_fingerprint or None)
+    meta = dataset.meta
+    cfg.check_dataset(meta)
+    train = dataset.split("train")
+    spec = model_spec(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads, dropout=cfg.dropout,
+                      model_args=cfg.model_args, train=train)
+    check_model(spec, train.features[:2], strategy=cfg.strategy)
+    return dataset, spec, train
+
+
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Check everything that can be checked, then train. Raises ConfigError before any process
-    group exists when the config, the launch size, the hardware or the dataset don't fit."""
+    group exists when the config, the launch size, the hardware, the dataset or the model don't fit."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.check_world_size(world)
     cfg.check_device(torch.cuda.is_available())
     if not cfg.checkpoint_dir:
         raise ConfigError("checkpoint_dir", "is empty", "pass a folder for checkpoints")
-    try:
-        meta = read_meta(cfg.dataset_uri)
-    except FileNotFoundError as e:
-        raise ConfigError("dataset_uri", str(e), "run `python -m training make-data` or fix the path") from None
-    cfg.check_dataset(meta)
-    train = load_split(cfg.dataset_uri, "train")
+    dataset, spec, train = prepare(cfg)
 
     info = distributed.init(cfg.collective_timeout_s)
     log.init(info.rank, cfg.output_dir or None)
     try:
-        return Trainer(cfg, info, meta, train).fit()
+        return Trainer(cfg, info, spec, train, dataset).fit()
     finally:
         distributed.cleanup()
 
@@ -101,12 +112,13 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 class Trainer:
     """Builds the model, its optimizer and the components around the loop; ``fit`` trains."""
 
-    def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, meta: dict[str, Any], train) -> None:
-        self.cfg, self.info, self.kind = cfg, info, meta["kind"]
+    def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, spec: dict[str, Any], train,
+                 dataset: Dataset) -> None:
+        self.cfg, self.info, self.spec, self.kind = cfg, info, spec, spec["kind"]
+        self.task, self.target_var = spec["task"], target_variance(spec)
         self.record = RankRecord(Path(cfg.output_dir) if cfg.output_dir else None, info.rank)
         self.phase = Phase(self.record)
         _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
-        self.spec = model_spec(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads, dropout=cfg.dropout)
         self.model, self.comm_timer = distributed.parallelize(build_model(self.spec), cfg, info)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -128,7 +140,7 @@ class Trainer:
             every=cfg.checkpoint_every, last_step=cfg.steps, metrics=self.metrics_log, phase=self.phase)
         self.telemetry = Telemetry(cfg, info, self.state, comm_timer=self.comm_timer, spec=self.spec, mlflow=self.mlflow,
                                    metrics_log=self.metrics_log, clock=clock, restarts=self.restarts, phase=self.phase)
-        self.evaluator = Evaluator(cfg, info, self.model, self.kind, metrics_log=self.metrics_log, clock=clock,
+        self.evaluator = Evaluator(cfg, info, self.model, spec, dataset, metrics_log=self.metrics_log, clock=clock,
                                    telemetry=self.telemetry, phase=self.phase)
         self.replicas = ReplicaCheck(self.model, info, cfg.replica_check_every, self.phase)
         self.preemption = Preemption(cfg.preempt_grace_s, log_every=cfg.log_every, device=info.device,
@@ -205,7 +217,7 @@ class Trainer:
             phase.now = "forward/backward" + ("" if last else " (accumulation, no communication)")
             with distributed.gradient_sync(self.model, last):
                 with precision.autocast(cfg.precision, cfg.strategy, info.device):
-                    loss = loss_fn(self.model(inputs), target) / cfg.grad_accum
+                    loss = loss_fn(self.model(inputs), target, task=self.task, target_var=self.target_var) / cfg.grad_accum
                 self.scaler.scale(loss).backward()
             if last:  # backward returned after the gradient collectives completed
                 exposed = self.comm_timer.backward_done()

@@ -62,10 +62,14 @@ class RunParams:
     registered_model: str | None = knob(
         None, "MLflow registered model the evaluated model is registered under; empty: the experiment name",
         title="Registered model", pattern=NAME_PATTERN, section=RUN)
+    gate_metric: Literal["auto", "eval/accuracy", "eval/loss", "eval/r2", "eval/rmse"] = knob(
+        "auto", "the metric the registry gate compares: auto = eval/accuracy for classification, eval/r2 for "
+        "regression; a loss or RMSE must fall, accuracy or R² rise", title="Registry gate metric", section=RUN)
     promotion_margin: float = knob(
-        0.005, "the new model takes the registry alias `champion` only if its eval/accuracy beats the current "
-        "champion's by more than this (absolute: 0.005 = half a percentage point); otherwise it is registered as "
-        "a challenger and the run says why", title="Promotion margin", minimum=0, maximum=1, section=RUN)
+        0.005, "the new model takes the registry alias `champion` only if its gate_metric beats the current "
+        "champion's by more than this (absolute, in the metric's units: 0.005 = half a point of accuracy); "
+        "otherwise it is registered as a challenger and the run says why", title="Promotion margin", minimum=0,
+        maximum=1, section=RUN)
 
 
 def deployment_defaults() -> dict[str, Any]:

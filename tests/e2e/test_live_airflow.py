@@ -44,7 +44,8 @@ def test_invalid_conf_is_refused_with_400_and_no_run(live_airflow):
     af.wait_for_dags(TRAIN)
     before = len(af.runs(TRAIN))
     for conf, field, words in (({"world_size": 0}, "world_size", "less than the minimum of 1"),
-                               ({"model": "resnet9000"}, "model", "is not one of"),
+                               ({"strategy": "zero3"}, "strategy", "is not one of"),
+                               ({"model": "resnet9000"}, "model", "does not match"),
                                ({"lr": "fast"}, "lr", "is not of type 'number'"),
                                ({"experiment": "../etc"}, "experiment", "does not match")):
         r = af.trigger(TRAIN, conf)

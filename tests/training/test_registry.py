@@ -62,6 +62,23 @@ def test_decide_applies_the_margin():
     assert registry.decide(0.80, 0.80, 0.0)[0] == "challenger", "a tie does not take the alias"
 
 
+def test_the_gate_compares_on_the_tasks_metric_in_its_direction():
+    from training.fields import ConfigError
+
+    assert registry.gate_metric("auto", "classification") == "eval/accuracy"
+    assert registry.gate_metric("auto", "regression") == "eval/r2"
+    assert registry.gate_metric("eval/loss", "regression") == "eval/loss"
+    with pytest.raises(ConfigError, match="'gate_metric': eval/accuracy is not measured for regression"):
+        registry.gate_metric("eval/accuracy", "regression")
+    # R² rises, an RMSE falls; either must move by more than the margin.
+    assert registry.decide(0.70, 0.60, 0.05, "eval/r2")[0] == "champion"
+    assert registry.decide(0.62, 0.60, 0.05, "eval/r2")[0] == "challenger"
+    decision, reason = registry.decide(40.0, 50.0, 5.0, "eval/rmse")
+    assert decision == "champion" and reason.startswith("eval/rmse 40.0000 beats the champion's 50.0000")
+    assert registry.decide(47.0, 50.0, 5.0, "eval/rmse")[0] == "challenger"
+    assert registry.decide(55.0, 50.0, 0.0, "eval/rmse")[0] == "challenger"
+
+
 @pytest.mark.slow
 def test_champion_and_challenger(dataset, tmp_path):
     name = "gate-test"

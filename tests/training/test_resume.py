@@ -148,6 +148,39 @@ def test_fp16_inf_gradient_skips_the_step_and_backs_off_the_scale(dataset, tmp_p
     assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10, "training still converges"
 
 
+@pytest.fixture(scope="module")
+def user_table(dataset, tmp_path_factory):
+    """The teacher data as a user would have it: the two Parquet folders, no dataset.json (the
+    schema, the task and the normalization statistics are inferred from train)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("user-table")
+    for split in ("train", "validation"):
+        shutil.copytree(Path(dataset) / split, root / split)
+    return root
+
+
+FACTORY = ["model=resmlp:residual_mlp", 'model_args={"width": 32, "blocks": 2, "dropout": 0.1}']
+EXAMPLES = {"PYTHONPATH": str(Path(__file__).resolve().parents[2] / "examples")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigkill_resume_is_bit_identical_with_a_user_factory(user_table, tmp_path, strategy):
+    """The user's residual MLP (examples/resmlp.py, on PYTHONPATH) with dropout, on a table without
+    metadata (features standardized inside the model): the resumed run ends bit-identical."""
+    base, killed = tmp_path / "base", tmp_path / "killed"
+    _ok(run_torchrun(2, _sets(user_table, base, strategy, "fp32") + FACTORY, env=EXAMPLES))
+    proc = _ok(run_torchrun(2, _sets(user_table, killed, strategy, "fp32") + FACTORY, max_restarts=1,
+                            env={**EXAMPLES, "TRAINING_FAULT_KILL_AT_STEP": "15:1"}))
+    assert "rank 1 SIGKILLs itself after step 15" in proc.stdout and "(step 10)" in proc.stdout
+    assert _sha(_final_model(killed)) == _sha(_final_model(base))
+    got, want = _losses(killed), _losses(base)
+    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
+    config = json.loads((_final_model(killed).parent / "model_config.json").read_text())
+    assert config["model"] == "resmlp:residual_mlp" and len(config["normalization"]["mean"]) == 16
+
+
 def test_bf16_hook_on_cpu_is_refused_before_any_process_group(dataset, tmp_path):
     proc = run_torchrun(2, _sets(dataset, tmp_path, "ddp", "fp32", comm_hook="bf16"))
     assert proc.returncode != 0

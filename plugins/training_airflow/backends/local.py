@@ -178,7 +178,7 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
     run_id = opened["mlflow_run_id"]
     run_dir = context.work_dir(run_id)
     cfg = context.train_config(params, dataset_uri=opened["dataset_uri"], checkpoint_dir=str(run_dir / "checkpoints"),
-                               output_dir=str(run_dir / "output"))
+                               output_dir=str(run_dir / "output"), dataset_fingerprint=opened["dataset_fingerprint"])
     cfg.check_device(torch.cuda.is_available())  # the ranks run on this machine: refuse what it cannot do
     config_path = run_dir / "train_config.json"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -187,7 +187,8 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
     nproc = int(params["world_size"])
     cmd = torchrun_command(["--config", str(config_path)], nproc_per_node=nproc,
                            max_restarts=int(params["max_restarts"]), master_port=free_port())
-    # S3 settings of aws_conn_id (if any) travel as environment of the ranks, never as arguments.
+    # S3 settings of aws_conn_id (if any) travel as environment of the ranks, never as arguments:
+    # the ranks read an s3:// dataset with them too.
     env = rank_env(nproc, {**context.store_env(params), "MLFLOW_RUN_ID": run_id,
                            "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]})
     result = run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT)

@@ -118,7 +118,8 @@ def pod_train_config(params: dict[str, Any], *, run_dir: str, world_size: int | 
 
     cfg = context.train_config(params, world_size=world_size or world_sizes(params)[-1],
                                checkpoint_dir=f"{run_dir}/checkpoints", output_dir=f"{run_dir}/output").to_dict()
-    cfg["dataset_uri"] = params["k8s_dataset_path"]
+    if not str(cfg["dataset_uri"]).startswith("s3://"):  # the pods read an s3:// dataset themselves
+        cfg["dataset_uri"] = params["k8s_dataset_path"]
     return cfg
 
 
