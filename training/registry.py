@@ -200,6 +200,8 @@ def update_challenger(client, name: str, metric: str = GATE_METRIC) -> str:
 
     champion = _champion(client, name)
     best, best_value = None, None
+    from training.config import higher_is_better
+
     sign = 1.0 if higher_is_better(metric) else -1.0
     for v in client.search_model_versions(f"name = '{name}'"):
         value = _recorded_metric(client, v, metric)

@@ -95,25 +95,20 @@ def _checkpoint(root: Path, step: int, *, big_mb: int = 0, payload: bytes = b"w"
     return d
 
 
-def _kill_after_first_part(server: Moto, how: signal.Signals, done: threading.Event) -> threading.Thread:
-    """Watch the server from the side; once one part of a multipart upload is stored, signal it."""
-    watcher = server.client()
+def _kill_after_first_part(server: Moto, how: signal.Signals, done: threading.Event) -> None:
+    """Signal the server right after it stored the first part of a multipart upload: a handler on
+    botocore's own event of a completed UploadPart call, in the uploading client (the store's
+    clients come from boto3's default session). Deterministic: the upload never outruns it, however
+    busy the machine is (a watcher polling the server from the side could be starved)."""
+    import boto3
 
-    def run() -> None:
-        while not done.is_set():
-            try:
-                ups = watcher.list_multipart_uploads(Bucket="ckpt").get("Uploads", [])
-                if ups and watcher.list_parts(Bucket="ckpt", Key=ups[0]["Key"], UploadId=ups[0]["UploadId"]).get("Parts"):
-                    os.kill(server.proc.pid, how)
-                    done.set()
-                    return
-            except Exception:
-                pass
-            time.sleep(0.01)
+    def after_part(**_kwargs) -> None:
+        if not done.is_set():
+            done.set()
+            os.kill(server.proc.pid, how)
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    boto3.setup_default_session()
+    boto3.DEFAULT_SESSION.events.register("after-call.s3.UploadPart", after_part)
 
 
 @pytest.fixture
