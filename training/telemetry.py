@@ -145,7 +145,7 @@ class Telemetry:
 
     # ------------------------------------------------------------------ start and end
 
-    def start(self, resumed_from: Path | None) -> None:
+    def start(self, resumed_from: str | None) -> None:
         """Say what runs (and log the params on a fresh start), find the MFU peak, start MLflow's
         system metrics, open ``steps.jsonl`` and the first window."""
         self._announce(resumed_from)
@@ -162,7 +162,7 @@ class Telemetry:
         if self.system_metrics is not None:
             self.system_metrics.finish()
 
-    def _announce(self, resumed_from: Path | None) -> None:
+    def _announce(self, resumed_from: str | None) -> None:
         cfg, info = self.cfg, self.info
         where = f"resuming from {resumed_from} (step {self.state.step})" if resumed_from else "starting from scratch"
         logger.info(f"train: {cfg.model}/{cfg.strategy}/{cfg.precision} on {info.world_size} ranks, "
@@ -175,8 +175,16 @@ class Telemetry:
         """Rank 0: the per-rank peak FLOP/s MFU divides by, logged as params (which peak, from where)."""
         if not self.info.is_main:
             return float("nan")  # only rank 0 logs MFU
-        cache = Path(self.cfg.output_dir or self.cfg.checkpoint_dir) / "peak_flops.json"
-        peak, source = metrics.peak_flops(self.info.device, self.cfg.precision, cache)
+        folder = self.cfg.output_dir or ("" if "://" in self.cfg.checkpoint_dir else self.cfg.checkpoint_dir)
+        cache = Path(folder) / "peak_flops.json" if folder else None  # never a local path made from an s3:// URI
+        client = getattr(self.mlflow, "client", None)
+        logged = client.get_run(self.mlflow.run_id).data.params if client is not None else {}
+        if "perf/peak_flops" in logged and not (cache and cache.exists()):
+            # A retry on another machine (an empty disk, checkpoints from the store): the run keeps
+            # the peak it was logged with, since MLflow params cannot change value.
+            peak, source = float(logged["perf/peak_flops"]), logged.get("perf/peak_source", "")
+        else:
+            peak, source = metrics.peak_flops(self.info.device, self.cfg.precision, cache)
         logger.info(f"mfu: peak {peak / 1e12:.3f} TFLOP/s per rank ({source}); {self.flops_per_sample:.3g} FLOPs per sample")
         self.mlflow.log_params({"perf/peak_flops": peak, "perf/peak_source": source,
                                 "perf/flops_per_sample": self.flops_per_sample})

@@ -50,6 +50,7 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, datas
     get the resolved folder through ``Opened``."""
     settings.ensure_tracking_uri()
     from training.config import check_path_part
+    from training.storage import check_writable
     from training.tracking import open_run
     from training.validation import DataValidationError, validate
 
@@ -57,7 +58,8 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, datas
     params = {**params, "dataset_uri": dataset}
     experiment = check_path_part("experiment", params["experiment"])
     world_size = backends.check_params(params)  # the backend's rules, before any rank starts
-    context.store_env(params)  # a missing or unreadable aws_conn_id fails here too
+    # A missing or unreadable aws_conn_id fails here too; so do a missing bucket and denied keys.
+    check_writable(params["store_uri"], context.store_env(params), field="store_uri")
 
     run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=dag_run_id,
                       tags={**run_tags(params), "world_size": str(world_size)})
