@@ -278,6 +278,32 @@ def test_a_retry_on_a_worker_with_an_empty_disk_resumes_from_the_store(dataset, 
 
 
 @pytest.mark.slow
+def test_checkpoint_location_local_keeps_them_on_the_worker_and_uploads_the_final_one(dataset, tmp_path):
+    """The other choice of the Param: periodic checkpoints in the work folder (with their
+    manifests), and `upload_checkpoint` commits the final one to the store after training."""
+    from training.tracking import open_run
+    from training_airflow import context
+    from training_airflow.backends import local
+
+    store = tmp_path / "store"
+    run_id = open_run("local-ckpt", dag_id="distributed_training", dag_run_id="manual__local")
+    params = {"world_size": 2, "max_restarts": 0, "store_uri": store.as_uri(), "experiment": "local-ckpt",
+              "checkpoint_location": "local", "aws_conn_id": None, "steps": 20, "checkpoint_every": EVERY,
+              "batch_size": 32, "log_every": 5, "eval_every": 0, "dataset_uri": str(dataset)}
+    opened = {"mlflow_run_id": run_id, "dataset_uri": str(dataset), "dataset_fingerprint": "f"}
+    trained = local.run_torchrun(params, opened)
+    worker = context.work_dir(run_id) / "checkpoints"
+    assert trained["checkpoint_uri"] == (worker / "step_00000020").resolve().as_uri()
+    assert all((worker / d / "manifest.json").is_file() for d in ("step_00000010", "step_00000020"))
+    handoff = local.commit(params, trained)
+    committed = store / "local-ckpt" / run_id
+    assert handoff["checkpoint_uri"] == (committed / "step_00000020").resolve().as_uri()
+    assert sorted(p.name for p in committed.iterdir()) == ["latest", "step_00000020"]
+    assert (committed / "step_00000020" / "model.safetensors").read_bytes() == (
+        worker / "step_00000020" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
 def test_corrupt_shard_and_missing_manifest_fall_back_to_the_newest_that_verifies(dataset, tmp_path, s3_server):
     """Checkpoints every 5 steps; a first attempt dies after step 27 (25 committed). Then a shard
     of step 25 is altered and step 20 loses its manifest: the next attempt resumes from 15, says
@@ -286,7 +312,7 @@ def test_corrupt_shard_and_missing_manifest_fall_back_to_the_newest_that_verifie
     from training.tracking import open_run
 
     s3 = _s3(s3_server)
-    sets = _store_sets(dataset, tmp_path, "fb", checkpoint_every=5, retention_keep_last=0)
+    sets = _store_sets(dataset, tmp_path, "fb", checkpoint_every=5, retention_keep_last=0, eval_every=5)
     proc = run_torchrun(2, sets, env={"TRAINING_FAULT_KILL_AT_STEP": "27:1"})
     assert proc.returncode != 0 and _latest(s3, "fb")["step_dir"] == "step_00000025"
 
@@ -318,8 +344,11 @@ def test_corrupt_shard_and_missing_manifest_fall_back_to_the_newest_that_verifie
     assert f"resuming from s3://{BUCKET}/hand/step_00000015 (step 15)" in by_hand.stdout
     assert "checkpoint fallback" not in by_hand.stdout
     assert _stored_sha(s3, "fb") == _stored_sha(s3, "hand")
-    # The re-saved steps 20 and 25 replaced the rejected ones and `latest` moved past them.
+    # The re-saved steps 20 and 25 replaced the rejected ones and `latest` moved past them; each
+    # checkpoint evaluated during training carries its eval.json (retention's best-by-eval rule).
     assert _latest(s3, "fb")["step_dir"] == f"step_{STEPS:08d}"
+    assert {k for k in _keys(s3, "fb") if k.endswith("/eval.json")} == {
+        f"step_{s:08d}/eval.json" for s in range(5, STEPS + 1, 5)}
     loc = Location(open_store(f"s3://{BUCKET}/fb"))
     for step_dir in ("step_00000020", "step_00000025"):
         (cand,) = candidates(loc, step_dir)
