@@ -151,6 +151,7 @@ class Checkpointer:
         self.pending: tuple[Any, StoreWriter, int] | None = None
         self.group = dist.new_group(backend="gloo") if use_async else None
         self.saved_step = -1  # the step of the newest checkpoint written or loaded
+        self.rng_restored = False  # whether the loaded checkpoint had this rank's RNG file
         self.evaluated: tuple[int, dict[str, float]] | None = None  # the last eval during training
         self.supersede: frozenset[str] = frozenset()  # step folders newer than the resumed one (rank 0)
 

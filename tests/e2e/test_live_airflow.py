@@ -170,7 +170,7 @@ def test_compare_the_runs_and_find_the_champion(live_airflow, started, tmp_path)
     assert set(one_rank[0].data.params) == set(two_ranks[0].data.params), "same params on every run"
     # The same names for the same figures on every run (2 ranks add per-rank and bandwidth figures).
     common = {"train/loss", "train/lr", "perf/samples_per_s", "perf/step_s", "comm/s_per_step", "eval/loss",
-              "eval/accuracy", "ckpt/upload_s", "pipeline/dag_wall_s", "pipeline/torchrun_wall_s"}
+              "eval/accuracy", "ckpt/save_s", "pipeline/dag_wall_s", "pipeline/torchrun_wall_s"}
     assert common <= set(one_rank[0].data.metrics) and common <= set(two_ranks[0].data.metrics)
 
     champion = client.get_model_version_by_alias(EXPERIMENT, "champion")
