@@ -8,12 +8,15 @@ One run of this DAG trains one model and records everything in **one MLflow run*
    no rank starts.
 2. **train and commit**, in the task group of the backend:
    - *local*: **train** starts `torchrun --nproc-per-node <world_size>` on the worker (DDP/FSDP
-     over gloo on CPU, nccl on GPUs; checkpoints every K steps, a retried task resumes from the
-     latest), then **upload_checkpoint** commits the final checkpoint to the store (`file://` or
-     `s3://`): objects, `manifest.json` with every sha256, then the `latest` pointer.
+     over gloo on CPU, nccl on GPUs). Every K steps each rank writes its shard straight to the
+     store (`file://` or `s3://`) and rank 0 commits it: `manifest.json` with every sha256, then
+     the `latest` pointer; a retried task resumes from the newest checkpoint that verifies, on any
+     worker. **upload_checkpoint** reads the final commit back (with `checkpoint_location=local`:
+     uploads the final checkpoint from the worker's disk).
    - *kubernetes* (when the deployment enables it): **create_rendezvous_service** (setup) ->
      **train_on_kubernetes** (Indexed Job of `k8s_nnodes` pods, torchrun with the c10d rendezvous
-     on pod 0) -> **upload_on_kubernetes** (a pod commits the checkpoint to the `s3://` store) ->
+     on pod 0, checkpoints straight to the `s3://` store) -> **upload_on_kubernetes** (only with
+     `checkpoint_location=local`: a pod uploads the final checkpoint from the PVC) ->
      **confirm_commit**; **delete_rendezvous_service** is the teardown.
 3. **evaluate** - fetches the checkpoint back, verifies it against the manifest, scores the
    validation split (`eval/loss`, `eval/accuracy`).

@@ -86,6 +86,10 @@ def _cmd_train(a: argparse.Namespace) -> int:
     from training.config import load_train_config
 
     cfg = load_train_config(a.config, a.set)
+    if a.check_access:
+        from training.storage import check_writable
+
+        check_writable(cfg.checkpoint_dir, field="checkpoint_dir")
     if a.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
@@ -184,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="JSON file with config fields")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config field")
     s.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    s.add_argument("--check-access", action="store_true",
+                   help="first list and write checkpoint_dir once: a missing bucket or refused access exits 2")
     s.set_defaults(fn=_cmd_train)
 
     def store_location(s: argparse.ArgumentParser) -> None:
@@ -191,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--experiment", required=True, help="experiment name (first key part)")
         s.add_argument("--run-id", required=True, help="MLflow run id (second key part)")
 
-    s = sub.add_parser("upload", help="commit a local checkpoint folder to the store (manifest last)")
-    s.add_argument("--checkpoint", required=True, help="local step_XXXXXXXX folder with a COMPLETE marker")
+    s = sub.add_parser("upload", help="commit a local checkpoint folder to the store (manifest, then latest)")
+    s.add_argument("--checkpoint", required=True, help="local step_XXXXXXXX folder with its manifest.json")
     store_location(s)
     s.set_defaults(fn=_cmd_upload)
 

@@ -127,8 +127,13 @@ class TrainConfig:
         "so smaller buckets overlap more communication with compute (more, smaller collectives)",
         title="DDP bucket size (MiB)", exclusive_minimum=0, maximum=1024, section=ADVANCED)
     async_checkpoint: bool = knob(
-        False, "save periodic checkpoints with dcp.async_save: training blocks only while the state is copied",
-        title="Asynchronous checkpoints", section=ADVANCED)
+        False, "save periodic checkpoints with dcp.async_save: training blocks only while the state is copied to "
+        "host memory; writing, hashing, uploading and the commit run in the background", title="Asynchronous checkpoints",
+        section=ADVANCED)
+    retention_keep_last: int = knob(
+        3, "keep the last K committed checkpoints of the run, plus the best by eval/loss and whatever `latest` names "
+        "(never deleted); applied after every commit (in the store, once the newer one is durable) and after the "
+        "evaluate task; 0 keeps all", title="Keep last K checkpoints", minimum=0, maximum=1000, section=ADVANCED)
     log_every: int = knob(10, "log metrics and a progress line every N steps", title="Log every N steps", minimum=1,
                           maximum=1_000_000, section=ADVANCED)
     replica_check_every: int = knob(
@@ -143,8 +148,10 @@ class TrainConfig:
     split_seed: int = knob(0, "seed of the one-table split (validation_fraction); the same seed keeps the same rows "
                            "in validation", title="Split seed", minimum=0, section=ADVANCED)
 
-    checkpoint_dir: str = knob("", "folder for periodic checkpoints (step_XXXXXXXX/ sub-folders)", form=False,
-                               per_run=True)
+    checkpoint_dir: str = knob(
+        "", "where every rank writes and commits checkpoints: a folder, file:///folder or s3://bucket/prefix "
+        "(step_XXXXXXXX/ with a sha256 manifest, then `latest`); resume reads it back from there", form=False,
+        per_run=True)
     output_dir: str = knob("", "folder for the run's records: steps.jsonl, train_summary.json, run_clock.json, "
                            "train.log", form=False, per_run=True)
     dataset_fingerprint: str = knob(
@@ -196,7 +203,8 @@ class TrainConfig:
     def config_hash(self) -> str:
         """Hash of what determines the trained weights (not where files go)."""
         # Evaluation during training reads the weights but never changes them.
-        skip = ("checkpoint_dir", "output_dir", "eval_every", "target_metric", "target_value", "dataset_fingerprint")
+        skip = ("checkpoint_dir", "output_dir", "eval_every", "target_metric", "target_value", "dataset_fingerprint",
+                "retention_keep_last")
         keep = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,7 @@ class Evaluator:
         self.every = cfg.eval_every
         self.model = distributed.for_evaluation(model)
         self.metrics_log, self.clock, self.telemetry, self.phase = metrics_log, clock, telemetry, phase
+        self.on_eval: list[Callable[[int, dict[str, float]], None]] = []  # every rank, after each evaluation
         if self.every:
             self.validation = dataset.split("validation", spec)
 
@@ -123,6 +124,8 @@ class Evaluator:
         res = score_spec(self.model, self.spec, self.validation, batch=max(256, cfg.batch_size), device=info.device,
                          rank=info.rank, world_size=info.world_size,
                          autocast=lambda: precision.autocast(cfg.precision, cfg.strategy, info.device))
+        for hook in self.on_eval:
+            hook(step, res)
         if not info.is_main:
             return
         self.metrics_log.log_metrics(res, step=step)

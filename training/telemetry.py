@@ -184,7 +184,7 @@ class Telemetry:
 
     # ------------------------------------------------------------------ start and end
 
-    def start(self, resumed_from: Path | None) -> None:
+    def start(self, resumed_from: str | None) -> None:
         """Say what runs (and log the params on a fresh start), find the MFU peak, start MLflow's
         system metrics, open ``steps.jsonl`` and the first window."""
         self._announce(resumed_from)
@@ -206,7 +206,7 @@ class Telemetry:
             except Exception as e:  # the record of a run must never hide the run's own error
                 logger.warning(f"train log not logged to MLflow ({e})")
 
-    def _announce(self, resumed_from: Path | None) -> None:
+    def _announce(self, resumed_from: str | None) -> None:
         cfg, info = self.cfg, self.info
         where = f"resuming from {resumed_from} (step {self.state.step})" if resumed_from else "starting from scratch"
         logger.info(f"train: {cfg.model}/{cfg.strategy}/{cfg.precision} on {info.world_size} ranks, "
@@ -219,11 +219,19 @@ class Telemetry:
         self.mlflow.log_text(json.dumps(cfg.to_dict(), indent=2) + "\n", "train_config.json")
 
     def _peak_flops(self) -> float:
-        """Rank 0: the per-rank peak FLOP/s MFU divides by, logged as params (which peak, from where)."""
+        """Rank 0: the per-rank peak FLOP/s MFU divides by, logged as tags (which peak, from where)."""
         if not self.info.is_main:
             return float("nan")  # only rank 0 logs MFU
-        cache = Path(self.cfg.output_dir or self.cfg.checkpoint_dir) / "peak_flops.json"
-        peak, source = metrics.peak_flops(self.info.device, self.cfg.precision, cache)
+        folder = self.cfg.output_dir or ("" if "://" in self.cfg.checkpoint_dir else self.cfg.checkpoint_dir)
+        cache = Path(folder) / "peak_flops.json" if folder else None  # never a local path made from an s3:// URI
+        client = getattr(self.mlflow, "client", None)
+        logged = client.get_run(self.mlflow.run_id).data.tags if client is not None else {}
+        if "perf/peak_flops" in logged and not (cache and cache.exists()):
+            # A retry on another machine (an empty disk, checkpoints from the store): the run keeps
+            # the peak it was logged with, so MFU stays comparable across its attempts.
+            peak, source = float(logged["perf/peak_flops"]), logged.get("perf/peak_source", "")
+        else:
+            peak, source = metrics.peak_flops(self.info.device, self.cfg.precision, cache)
         logger.info(f"mfu: peak {peak / 1e12:.3f} TFLOP/s per rank ({source}); {self.flops_per_sample:.3g} FLOPs per sample")
         # The peak is measured on the machine (or looked up for its GPU): a tag, not a choice.
         self.mlflow.set_tags({"perf/peak_flops": peak, "perf/peak_source": source})

@@ -5,8 +5,11 @@ Launch it:
     # one process (a one-rank group on 127.0.0.1)
     python -m training train --set dataset_uri=var/data/teacher --set checkpoint_dir=var/ckpt
 
+    # checkpoints straight to S3 (AWS_* settings from the environment, never from arguments)
+    python -m training train --set dataset_uri=var/data/teacher --set checkpoint_dir=s3://bucket/runs/r1
+
     # two ranks on this machine (gloo on CPU, nccl on GPUs); a dead rank restarts the group,
-    # which resumes from the latest complete checkpoint
+    # which resumes from the newest checkpoint that verifies
     GLOO_SOCKET_IFNAME=lo torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29511 \
         --max-restarts 2 -m training train --config cfg.json --set strategy=fsdp --set precision=bf16
 
@@ -44,7 +47,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from training import checkpoint, distributed, faults, log, metrics, precision
+from training import checkpoint, distributed, faults, log, metrics, precision, storage
 from training.config import ConfigError, TrainConfig
 from training.data import Dataset, ShardedSampler, open_dataset
 from training.evaluate import Evaluator
@@ -98,7 +101,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     cfg.check_world_size(world)
     cfg.check_device(torch.cuda.is_available())
     if not cfg.checkpoint_dir:
-        raise ConfigError("checkpoint_dir", "is empty", "pass a folder for checkpoints")
+        raise ConfigError("checkpoint_dir", "is empty", "pass a folder, file:///folder or s3://bucket/prefix")
+    storage.check_writable(cfg.checkpoint_dir, field="checkpoint_dir")  # a missing bucket or denied keys: exit 2
     dataset, spec, train = prepare(cfg)
 
     info = distributed.init(cfg.collective_timeout_s)
@@ -137,11 +141,13 @@ class Trainer:
         clock = metrics.RunClock(out) if info.is_main else None  # survives restarts: run start, target hit
         self.checkpointer = checkpoint.Checkpointer(
             cfg.checkpoint_dir, world_size=info.world_size, config_hash=cfg.config_hash(), use_async=cfg.async_checkpoint,
-            every=cfg.checkpoint_every, last_step=cfg.steps, metrics=self.metrics_log, phase=self.phase)
+            every=cfg.checkpoint_every, last_step=cfg.steps, keep_last=cfg.retention_keep_last, metrics=self.metrics_log,
+            mlflow=self.mlflow, phase=self.phase)
         self.telemetry = Telemetry(cfg, info, self.state, comm_timer=self.comm_timer, spec=self.spec, mlflow=self.mlflow,
                                    metrics_log=self.metrics_log, clock=clock, restarts=self.restarts, phase=self.phase)
         self.evaluator = Evaluator(cfg, info, self.model, spec, dataset, metrics_log=self.metrics_log, clock=clock,
                                    telemetry=self.telemetry, phase=self.phase)
+        self.evaluator.on_eval.append(self.checkpointer.note_eval)  # retention keeps the best by eval/loss
         self.replicas = ReplicaCheck(self.model, info, cfg.replica_check_every, self.phase)
         self.preemption = Preemption(cfg.preempt_grace_s, log_every=cfg.log_every, device=info.device,
                                      checkpointer=self.checkpointer, phase=self.phase)
@@ -153,8 +159,8 @@ class Trainer:
         faults.install(self)
 
     def fit(self) -> dict[str, Any]:
-        """Resume from the latest complete checkpoint (if any), train up to ``cfg.steps``, write
-        the final checkpoint with the exported model; returns the run summary."""
+        """Resume from the newest checkpoint that verifies (if any), train up to ``cfg.steps``,
+        commit the final checkpoint with the exported model; returns the run summary."""
         wall_start = time.perf_counter()
         resumed_from, rng_restored = self.checkpointer.resume(self.state)
         if not rng_restored:
@@ -173,10 +179,10 @@ class Trainer:
                 self._loop()
                 self.phase.now = "final export"
                 self.preemption.drain()
-                final_dir = self.checkpointer.finalize(self.state, self.model, self.spec)
+                final_uri = self.checkpointer.finalize(self.state, self.model, self.spec)
         finally:
             self.telemetry.close()
-        return self._summary(final_dir, resumed_from, wall_start)
+        return self._summary(final_uri, resumed_from, wall_start)
 
     def _loop(self) -> None:
         """Every component decides itself whether this step is its turn."""
@@ -239,18 +245,18 @@ class Trainer:
         return StepResult(loss=loss_sum, grad_norm=grad_norm, skipped=skipped, seconds=time.perf_counter() - t0,
                           data_s=data_s, exposed=exposed, comm=comm)
 
-    def _summary(self, final_dir: Path, resumed_from: Path | None, wall_start: float) -> dict[str, Any]:
+    def _summary(self, final_uri: str, resumed_from: str | None, wall_start: float) -> dict[str, Any]:
         """Collective. The run summary every rank returns; rank 0 also tags the MLflow run with the
         final checkpoint and writes ``output_dir/train_summary.json``."""
         cfg, info, tel = self.cfg, self.info, self.telemetry
         run_summary = tel.run_summary(self.state.step)
         summary = {
             "final_step": self.state.step,
-            "checkpoint_path": str(final_dir.resolve()),
+            "checkpoint_uri": final_uri,
             "world_size": info.world_size,
             "first_logged_loss": tel.first_loss,
             "last_logged_loss": tel.last_loss,
-            "resumed_from": str(resumed_from) if resumed_from else None,
+            "resumed_from": resumed_from,
             "restarts": self.restarts,
             "skipped_steps": tel.skipped_steps,
             "train_wall_s": time.perf_counter() - wall_start,
@@ -258,9 +264,8 @@ class Trainer:
             **run_summary,
         }
         if info.is_main:
-            self.mlflow.set_tags({"checkpoint.local_path": summary["checkpoint_path"]})
             if tel.out:
                 tel.out.mkdir(parents=True, exist_ok=True)
                 (tel.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        log.logger.info(f"train: done at step {self.state.step}; final checkpoint {final_dir}")
+        log.logger.info(f"train: done at step {self.state.step}; final checkpoint {final_uri}")
         return summary

@@ -83,6 +83,7 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, datas
     run the link back to Airflow."""
     settings.ensure_tracking_uri()
     from training.config import check_path_part
+    from training.storage import check_writable
     from training.tables import DataOptions
     from training.tracking import describe, open_run
     from training.validation import DataValidationError, gate
@@ -93,6 +94,7 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, datas
     world_size = backends.check_params(params)  # the backend's rules, before any rank starts
     cfg = context.train_config(params)
     store_env = context.store_env(params)  # a missing or unreadable aws_conn_id fails here too
+    check_writable(params["store_uri"], store_env, field="store_uri")  # so do a missing bucket and denied keys
 
     run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=run_name(params, world_size),
                       tags={**run_tags(params), "world_size": str(world_size)})

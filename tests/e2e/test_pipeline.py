@@ -31,7 +31,7 @@ def _mlflow_run(dag_run, experiment):
 
 
 @pytest.mark.slow
-def test_full_pipeline_on_s3(airflow_db, dataset, s3_server, tmp_path):
+def test_full_pipeline_on_s3(airflow_db, dataset, s3_server, tmp_path, tmp_root):
     s3 = boto3.client("s3", endpoint_url=s3_server["endpoint"])
     s3.create_bucket(Bucket="checkpoints")
     conf = {"dataset_uri": str(dataset), "experiment": "e2e", "world_size": 2, "steps": STEPS, "batch_size": 64,
@@ -68,15 +68,32 @@ def test_full_pipeline_on_s3(airflow_db, dataset, s3_server, tmp_path):
     manifest = json.loads(s3.get_object(Bucket="checkpoints", Key=f"{prefix}/step_{STEPS:08d}/manifest.json")["Body"].read())
     assert manifest["step"] == STEPS and manifest["world_size"] == 2
     names = {f["path"] for f in manifest["files"]}
-    # DCP metadata + one shard and one RNG-state file per rank, the marker, the portable model.
-    assert names == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng_rank0.pt", "rng_rank1.pt", "COMPLETE",
+    # DCP metadata + one shard and one RNG-state file per rank, the portable model.
+    assert names == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng_rank0.pt", "rng_rank1.pt",
                      "model.safetensors", "model_config.json"}
     for f in manifest["files"]:
         body = s3.get_object(Bucket="checkpoints", Key=f"{prefix}/step_{STEPS:08d}/{f['path']}")["Body"].read()
         assert (len(body), hashlib.sha256(body).hexdigest()) == (f["size"], f["sha256"]), f["path"]
     latest = json.loads(s3.get_object(Bucket="checkpoints", Key=f"{prefix}/latest")["Body"].read())
     assert latest["step_dir"] == f"step_{STEPS:08d}"
+    # The ranks committed every checkpoint to the bucket themselves (checkpoint_location=store), and
+    # retention kept the last 3: nothing of them lives on the worker's disk.
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="checkpoints", Prefix=f"{prefix}/")["Contents"]]
+    assert {k.split("/")[3] for k in keys if "/step_" in k} == {"step_00000100", "step_00000150", "step_00000200"}
+    assert all(f"{prefix}/step_{s:08d}/manifest.json" in keys for s in (100, 150, 200))
+    assert not (tmp_root / "var" / "work" / run.info.run_id / "checkpoints").exists()
+    assert [h.step for h in client.get_metric_history(run.info.run_id, "ckpt/save_s")] == [50, 100, 150, 200]
     _reads_back_as_a_person_would(client, run, dataset)
+
+
+@pytest.mark.slow
+def test_a_missing_bucket_stops_the_run_before_training(airflow_db, dataset, s3_server, tmp_root):
+    dag_run = load_dag("distributed_training").test(
+        run_conf={"dataset_uri": str(dataset), "experiment": "e2e-nobucket", "steps": 5, "store_uri": "s3://nope/team"})
+    states = _ti_states(dag_run)
+    assert states["validate_data"] == "failed" and states["train"] == "upstream_failed", states
+    ti = next(t for t in dag_run.get_task_instances() if t.task_id == "validate_data")
+    assert ti.try_number == 1, "bad input fails without retries"
 
 
 def _reads_back_as_a_person_would(client, run, dataset):

@@ -4,10 +4,14 @@ Task group ``local`` (task ids kept as they were before the groups: ``train``, `
 
 - ``train``: writes the run's ``train_config.json`` and starts ``torchrun --nproc-per-node
   world_size`` in its own process group; every output line goes to the task log; a non-zero exit
-  fails the task with the failing rank's error. A retry resumes from the latest local checkpoint
-  (the work folder is keyed by the MLflow run id).
-- ``upload_checkpoint``: commits the final checkpoint folder to the store (objects, manifest,
-  then ``latest``) and hands on the ``Handoff``.
+  fails the task with the failing rank's error. With ``checkpoint_location=store`` (the default)
+  the ranks commit every checkpoint straight to ``{store_uri}/{experiment}/{mlflow run id}``, so a
+  retry resumes from the store on any worker, even one with an empty disk; with ``local`` they
+  write to the work folder (keyed by the MLflow run id) and a retry resumes only on this worker.
+- ``upload_checkpoint``: hands on the ``Handoff`` of the committed final checkpoint. In the store
+  case the ranks committed it already: the task reads ``latest`` back and checks it names the
+  final step. In the local case it commits the final checkpoint folder (objects, manifest, then
+  ``latest``).
 
 torchrun is the launcher; this module only builds its command line (``training.launch``), forwards
 its output and makes sure no rank outlives the task.
@@ -25,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from airflow.sdk import TaskGroup, task
 
@@ -168,7 +173,7 @@ def record_ranks(run_id: str, output_dir: Path) -> dict[str, str]:
 
 @fails_fast
 def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
-    """Start torchrun with ``world_size`` ranks; a retry resumes from the latest local checkpoint."""
+    """Start torchrun with ``world_size`` ranks; a retry resumes from the newest checkpoint that verifies."""
     import torch
 
     from training.launch import torchrun_command
@@ -177,7 +182,7 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
     settings.ensure_tracking_uri()
     run_id = opened["mlflow_run_id"]
     run_dir = context.work_dir(run_id)
-    cfg = context.train_config(params, dataset_uri=opened["dataset_uri"], checkpoint_dir=str(run_dir / "checkpoints"),
+    cfg = context.train_config(params, dataset_uri=opened["dataset_uri"], checkpoint_dir=checkpoint_dir(params, run_id),
                                output_dir=str(run_dir / "output"), dataset_fingerprint=opened["dataset_fingerprint"])
     cfg.check_device(torch.cuda.is_available())  # the ranks run on this machine: refuse what it cannot do
     config_path = run_dir / "train_config.json"
@@ -198,28 +203,49 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
 
     summary = json.loads((run_dir / "output" / "train_summary.json").read_text())
     context.run_logger(run_id).log_summary({"torchrun_wall_s": result.wall_s})
-    return {**opened, "checkpoint_path": summary["checkpoint_path"], "final_step": summary["final_step"],
+    return {**opened, "checkpoint_uri": summary["checkpoint_uri"], "final_step": summary["final_step"],
             "torchrun_wall_s": result.wall_s}
+
+
+def checkpoint_dir(params: dict[str, Any], run_id: str) -> str:
+    """Where the ranks write checkpoints: the run's place in the store, or the worker's work folder."""
+    from training.storage import run_uri
+
+    if params.get("checkpoint_location", "store") == "store":  # a Param an older deployment lacks: the default
+        return run_uri(params["store_uri"], params["experiment"], run_id)
+    return str(context.work_dir(run_id) / "checkpoints")
 
 
 @fails_fast
 def commit(params: dict[str, Any], trained: dict[str, Any]) -> Handoff:
-    """Commit the final checkpoint to the store: objects, then manifest.json, then `latest`."""
-    from training.storage import StoreError, upload_checkpoint
+    """The committed final checkpoint: read back from the store when the ranks committed it, else
+    committed now (objects, then manifest.json, then `latest`)."""
+    from training.storage import StoreError, read_commit, run_location, upload_checkpoint
 
-    run_id = trained["mlflow_run_id"]
-    try:
-        c = upload_checkpoint(trained["checkpoint_path"], params["store_uri"], experiment=params["experiment"],
-                              run_id=run_id, env=context.store_env(params))
-    except StoreError as e:
-        raise RuntimeError(f"checkpoint upload failed: {e}") from None
-    log.info("committed %s (%d objects uploaded, %d already there) in %.2fs", c.uri, c.uploaded, c.skipped, c.seconds)
+    run_id, step = trained["mlflow_run_id"], trained["final_step"]
     logger = context.run_logger(run_id)
-    logger.set_tags({"checkpoint.uri": c.uri})
-    logger.log_summary({"upload_s": c.seconds})
+    in_store = params.get("checkpoint_location", "store") == "store"
+    try:
+        if in_store:
+            latest = read_commit(run_location(params["store_uri"], params["experiment"], run_id,
+                                              context.store_env(params)))
+            if latest["step"] != step:
+                raise StoreError(f"`latest` names step {latest['step']}, not the final step {step}")
+            uri = latest["uri"]
+            log.info("committed by the ranks: %s", uri)
+        else:
+            c = upload_checkpoint(urlparse(trained["checkpoint_uri"]).path, params["store_uri"],
+                                  experiment=params["experiment"], run_id=run_id, env=context.store_env(params))
+            uri = c.uri
+            log.info("committed %s (%d objects uploaded, %d already there) in %.2fs", uri, c.uploaded, c.skipped,
+                     c.seconds)
+            logger.log_summary({"upload_s": c.seconds})
+    except StoreError as e:
+        raise RuntimeError(f"checkpoint {'commit check' if in_store else 'upload'} failed: {e}") from None
+    logger.set_tags({"checkpoint.uri": uri})
     return Handoff(mlflow_run_id=run_id, dataset_uri=trained["dataset_uri"],
-                   dataset_fingerprint=trained["dataset_fingerprint"], checkpoint_uri=c.uri,
-                   final_step=trained["final_step"], torchrun_wall_s=trained["torchrun_wall_s"])
+                   dataset_fingerprint=trained["dataset_fingerprint"], checkpoint_uri=uri,
+                   final_step=step, torchrun_wall_s=trained["torchrun_wall_s"])
 
 
 def train_and_commit(opened: Any) -> Any:

@@ -5,7 +5,6 @@ operators when it parses the DAG file), and the worker-side confirmation of the 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
@@ -16,7 +15,7 @@ from airflow.providers.cncf.kubernetes.operators.resource import (
     KubernetesCreateResourceOperator,
     KubernetesDeleteResourceOperator,
 )
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from training_airflow.backends.kubernetes.checks import pod_tracking_uri
 from training_airflow.backends.kubernetes.spec import (
@@ -24,6 +23,7 @@ from training_airflow.backends.kubernetes.spec import (
     EXIT_BAD_INPUT,
     JOB_STATIC_KWARGS,
     POD_STATIC_KWARGS,
+    in_store,
     job_operator_kwargs,
     job_wall_s,
     names,
@@ -37,22 +37,20 @@ log = logging.getLogger(__name__)
 
 
 def committed_handoff(params: dict[str, Any], opened: Opened, *, job: dict[str, Any] | None) -> Handoff:
-    """After the upload pod: read the commit back from the store (the worker has no checkpoint
-    volume; the store settings are the run's, as on the local backend) and hand on the same keys
-    as the local backend's ``upload_checkpoint``."""
-    from training.storage import LATEST, open_store, run_prefix
+    """After the Job (checkpoints in the store: the ranks committed the final one) or the upload
+    pod: read the commit back from the store (the worker has no checkpoint volume; the store
+    settings are the run's, as on the local backend) and hand on the same keys as the local
+    backend's ``upload_checkpoint``."""
+    from training.storage import StoreError, read_commit, run_location
 
     run_id = opened["mlflow_run_id"]
-    store = open_store(params["store_uri"], store_env(params))
-    prefix = run_prefix(params["experiment"], run_id)
-    raw = store.get_bytes(f"{prefix}/{LATEST}")
-    if raw is None:
-        raise RuntimeError(f"the upload pod finished but {store.uri}/{prefix}/{LATEST} does not exist")
-    latest = json.loads(raw)
+    try:
+        latest = read_commit(run_location(params["store_uri"], params["experiment"], run_id, store_env(params)))
+    except StoreError as e:
+        raise RuntimeError(f"training finished but {e}") from None
     return Handoff(mlflow_run_id=run_id, dataset_uri=opened["dataset_uri"],
-                   dataset_fingerprint=opened["dataset_fingerprint"],
-                   checkpoint_uri=f"{store.uri}/{prefix}/{latest['step_dir']}", final_step=int(latest["step"]),
-                   torchrun_wall_s=job_wall_s(job))
+                   dataset_fingerprint=opened["dataset_fingerprint"], checkpoint_uri=latest["uri"],
+                   final_step=latest["step"], torchrun_wall_s=job_wall_s(job))
 
 
 @fails_fast
@@ -170,7 +168,7 @@ class TrainingJobOperator(_RunBound, KubernetesJobOperator):
         run_id = self._run_id(context)
         names_ = names(params, mlflow_run_id=run_id, try_number=context["ti"].try_number)
         tracking_uri = pod_tracking_uri(params, os.environ.get("MLFLOW_TRACKING_URI"))
-        cfg = pod_train_config(params, run_dir=names_.run_dir)
+        cfg = pod_train_config(params, run_dir=names_.run_dir, run_id=run_id)
         apply_kwargs(self, job_operator_kwargs(params, names_, mlflow_run_id=run_id, tracking_uri=tracking_uri,
                                                train_config=cfg))
         log.info("Indexed Job %s/%s: %s pods, rendezvous %s", names_.namespace, names_.job, params["k8s_nnodes"],
@@ -189,7 +187,8 @@ class TrainingJobOperator(_RunBound, KubernetesJobOperator):
 
 
 class UploadPodOperator(_RunBound, KubernetesPodOperator):
-    """`python -m training upload` in a pod that mounts the checkpoint volume read-only."""
+    """`python -m training upload` in a pod that mounts the checkpoint volume read-only; skipped
+    when the ranks committed their checkpoints to the store themselves (checkpoint_location=store)."""
 
     template_fields = (*KubernetesPodOperator.template_fields, "handoff")
 
@@ -199,6 +198,9 @@ class UploadPodOperator(_RunBound, KubernetesPodOperator):
 
     def execute(self, context: Any):
         params = context["params"]
+        if in_store(params):
+            raise AirflowSkipException("checkpoint_location=store: the ranks committed the final checkpoint to the "
+                                       "store themselves; no upload pod (confirm_commit reads it back)")
         run_id = self._run_id(context)
         names_ = names(params, mlflow_run_id=run_id, try_number=context["ti"].try_number)
         apply_kwargs(self, upload_pod_kwargs(params, names_, mlflow_run_id=run_id))
