@@ -22,6 +22,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from training.launch import torchrun_command
+from training.storage import read_pointer, run_location
 from training.util import free_port
 
 pytestmark = pytest.mark.slow
@@ -66,7 +67,7 @@ def _torchrun_of(config: Path) -> int | None:
     return None
 
 
-def _start(af, dataset, tmp_root, experiment: str) -> tuple[str, Path]:
+def _start(af, dataset, tmp_root, experiment: str) -> tuple[str, Path, Path]:
     af.wait_for_dags(TRAIN)
     af.unpause(TRAIN)
     conf = {"dataset_uri": str(dataset), "experiment": experiment, "world_size": 2, "steps": STEPS,
@@ -78,12 +79,14 @@ def _start(af, dataset, tmp_root, experiment: str) -> tuple[str, Path]:
     _wait(lambda: states().get("validate_data") == "success", 300, "validate_data success")
     mlflow_run_id = af.xcom(TRAIN, run_id, "validate_data")["mlflow_run_id"]
     run_dir = tmp_root / "var" / "work" / mlflow_run_id
-    # Killed after the first periodic checkpoint exists and before the last step.
-    _wait(lambda: (run_dir / "checkpoints" / f"step_{EVERY:08d}" / "COMPLETE").exists(), 600, "the first checkpoint")
-    return run_id, run_dir
+    # The ranks commit every checkpoint to the store (checkpoint_location=store, the default).
+    location = run_location(conf["store_uri"], experiment, mlflow_run_id)
+    # Killed after the first periodic checkpoint is committed and before the last step.
+    _wait(lambda: (read_pointer(location) or {}).get("step", 0) >= EVERY, 600, "the first committed checkpoint")
+    return run_id, run_dir, Path(location.uri().removeprefix("file://"))
 
 
-def _check_recovered(af, run_id: str, run_dir: Path, tries: int | None = None) -> None:
+def _check_recovered(af, run_id: str, run_dir: Path, committed: Path, tries: int | None = None) -> None:
     run = af.wait_for_run(TRAIN, run_id, timeout=900)
     assert run["state"] == "success", af.task_states(TRAIN, run_id)
     if tries is not None:
@@ -109,12 +112,12 @@ def _check_recovered(af, run_id: str, run_dir: Path, tries: int | None = None) -
     def sha(folder: Path) -> str:
         return hashlib.sha256((folder / f"step_{STEPS:08d}" / "model.safetensors").read_bytes()).hexdigest()
 
-    assert sha(run_dir / "checkpoints") == sha(ref / "ck")
+    assert sha(committed) == sha(ref / "ck")
 
 
 def test_a_lost_worker_is_retried_and_resumes_from_its_checkpoint(live_airflow, dataset, tmp_root):
     af = live_airflow
-    run_id, run_dir = _start(af, dataset, tmp_root, "live-lost-worker")
+    run_id, run_dir, committed = _start(af, dataset, tmp_root, "live-lost-worker")
     agent = _torchrun_of(run_dir / "train_config.json")
     assert agent is not None, "the torchrun agent of this run"
     task = _ppid(agent)
@@ -123,11 +126,11 @@ def test_a_lost_worker_is_retried_and_resumes_from_its_checkpoint(live_airflow, 
         os.kill(pid, signal.SIGKILL)
     # The agent learns it lost its parent (PR_SET_PDEATHSIG) and stops its ranks: no orphaned group.
     _wait(lambda: not _alive(agent), 120, "the agent gone")
-    _check_recovered(af, run_id, run_dir, tries=2)
+    _check_recovered(af, run_id, run_dir, committed, tries=2)
 
 
 def test_a_restarted_scheduler_lets_the_run_complete(live_airflow, dataset, tmp_root):
     af = live_airflow
-    run_id, run_dir = _start(af, dataset, tmp_root, "live-scheduler-restart")
+    run_id, run_dir, committed = _start(af, dataset, tmp_root, "live-scheduler-restart")
     af.restart("scheduler")
-    _check_recovered(af, run_id, run_dir)
+    _check_recovered(af, run_id, run_dir, committed)

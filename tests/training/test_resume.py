@@ -28,6 +28,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from tests.conftest import run_torchrun
+from training.data import open_dataset
 from training.train import StepLog
 
 STEPS, EVERY = 30, 10
@@ -294,7 +295,7 @@ def test_a_retry_on_a_worker_with_an_empty_disk_resumes_from_the_store(dataset, 
     params = {"world_size": 2, "max_restarts": 0, "store_uri": f"s3://{BUCKET}/team", "experiment": "store-retry",
               "checkpoint_location": "store", "aws_conn_id": None, "steps": STEPS, "checkpoint_every": EVERY,
               "batch_size": 32, "log_every": 5, "warmup_steps": 5, "eval_every": 0, "dataset_uri": str(dataset)}
-    opened = {"mlflow_run_id": run_id, "dataset_uri": str(dataset), "dataset_fingerprint": "f"}
+    opened = {"mlflow_run_id": run_id, "dataset_uri": str(dataset), "dataset_fingerprint": open_dataset(dataset).fingerprint}
     prefix = f"team/store-retry/{run_id}"
 
     monkeypatch.setenv("TRAINING_FAULT_KILL_AT_STEP", "25:1")
@@ -332,7 +333,7 @@ def test_checkpoint_location_local_keeps_them_on_the_worker_and_uploads_the_fina
     params = {"world_size": 2, "max_restarts": 0, "store_uri": store.as_uri(), "experiment": "local-ckpt",
               "checkpoint_location": "local", "aws_conn_id": None, "steps": 20, "checkpoint_every": EVERY,
               "batch_size": 32, "log_every": 5, "eval_every": 0, "dataset_uri": str(dataset)}
-    opened = {"mlflow_run_id": run_id, "dataset_uri": str(dataset), "dataset_fingerprint": "f"}
+    opened = {"mlflow_run_id": run_id, "dataset_uri": str(dataset), "dataset_fingerprint": open_dataset(dataset).fingerprint}
     trained = local.run_torchrun(params, opened)
     worker = context.work_dir(run_id) / "checkpoints"
     assert trained["checkpoint_uri"] == (worker / "step_00000020").resolve().as_uri()
