@@ -18,11 +18,12 @@ export GX_ANALYTICS_ENABLED := False
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := true
 
-.PHONY: install demo test airflow-up airflow-down mlflow-ui compare screenshots chromium podman images clean help docs
+.PHONY: install demo test test-fast airflow-up airflow-down mlflow-ui compare screenshots chromium podman images clean help docs
 
 help:
 	@echo "make demo         install (first time), make data, run one full DAG run, print where to look"
 	@echo "make test         install (first time) and run the test suite"
+	@echo "make test-fast    the tests not marked slow (a few minutes)"
 	@echo "make airflow-up   start the Airflow web UI + scheduler on 127.0.0.1:8080 (admin password printed)"
 	@echo "make airflow-down stop them"
 	@echo "make mlflow-ui    MLflow UI on 127.0.0.1:5000 over the project's tracking store"
@@ -46,6 +47,10 @@ demo: $(STAMP)
 
 test: $(STAMP) chromium podman
 	$(BIN)/python -m pytest -q
+
+# The tests not marked slow (no live Airflow, no full DAG runs): a few minutes, for a quick check.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 # The web-UI test drives Debian's chromium headless. Installed here when missing and we may.
 chromium:

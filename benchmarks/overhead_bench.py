@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,18 +27,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from training.launch import TRAIN, torchrun_command  # noqa: E402 (after the path is set)
+from training.util import free_port  # noqa: E402
+
 PROGRESS = re.compile(r"^step (\d+)/\d+ \| loss [0-9.]+ \| (\d+) samples/s", re.M)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(world: int, args: list[str]) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
-           "--master-addr", "127.0.0.1", "--master-port", str(_port()), *args]
+def _torchrun(world: int, args: list[str], entry=TRAIN) -> str:
+    cmd = torchrun_command(args, nproc_per_node=world, master_port=free_port(), entry=entry)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": str(ROOT)}
     env.pop("MLFLOW_RUN_ID", None)
@@ -59,7 +56,7 @@ def _model_sets(a) -> dict:
 def trainer_rate(a, data: Path, tmp: Path, i: int) -> float:
     sets = {**_model_sets(a), "dataset_uri": data, "steps": a.steps, "log_every": a.log_every, "checkpoint_every": 0,
             "checkpoint_dir": tmp / f"ck{i}", "output_dir": tmp / f"out{i}"}
-    out = _torchrun(a.world, ["-m", "training", "train", *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]])
+    out = _torchrun(a.world, [x for k, v in sets.items() for x in ("--set", f"{k}={v}")])
     lines = [(int(s), int(r)) for s, r in PROGRESS.findall(out)]
     # Samples over window time after the first (warm-up) interval, as the bare loop is timed.
     samples = sum(a.batch_size * (b[0] - p[0]) for p, b in zip(lines, lines[1:]))
@@ -68,9 +65,9 @@ def trainer_rate(a, data: Path, tmp: Path, i: int) -> float:
 
 
 def bare_rate(a, data: Path) -> float:
-    out = _torchrun(a.world, [str(Path(__file__).resolve()), "--bare", "--data", str(data),
+    out = _torchrun(a.world, ["--bare", "--data", str(data),
                               *[x for k, v in _model_sets(a).items() for x in (f"--{k.replace('_', '-')}", str(v))],
-                              "--steps", str(a.steps), "--log-every", str(a.log_every)])
+                              "--steps", str(a.steps), "--log-every", str(a.log_every)], entry=[str(Path(__file__).resolve())])
     return json.loads(out.strip().splitlines()[-1])["samples_per_s"]
 
 
@@ -84,7 +81,7 @@ def bare_loop(a) -> None:
     from training.data import ShardedSampler, load_split
     from training.datasets import read_meta
     from training.models import build_model, loss_fn, model_spec, split_batch
-    from training.train import _lr_lambda
+    from training.train import lr_lambda
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -94,7 +91,7 @@ def bare_loop(a) -> None:
     model = DDP(build_model(model_spec(a.model, meta, hidden=a.hidden, depth=a.depth, n_heads=a.n_heads, dropout=0.0)))
     recipe = TrainConfig(steps=a.steps, dataset_uri=a.data, checkpoint_dir="unused")  # the trainer's default lr, weight decay, schedule, clipping
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(recipe))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe))
     sampler = ShardedSampler(len(train.features), global_batch=a.batch_size, rank=rank, world_size=world, seed=1234)
     x = torch.from_numpy(train.features)
     y = torch.from_numpy(train.labels) if train.labels is not None else None

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,20 +21,18 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from training.launch import torchrun_command  # noqa: E402 (after the path is set)
+from training.util import free_port  # noqa: E402
+
 COMBOS = [("ddp", "fp32", "none"), ("ddp", "fp32", "fp16"), ("ddp", "bf16", "none"), ("ddp", "bf16", "fp16"),
           ("ddp", "fp16", "none"), ("ddp", "fp16", "fp16"), ("fsdp", "fp32", "none"), ("fsdp", "bf16", "none")]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(nproc: int, sets: dict) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_port()), "-m", "training", "train",
-           *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    cmd = torchrun_command([a for k, v in sets.items() for a in ("--set", f"{k}={v}")], nproc_per_node=nproc,
+                           master_port=free_port())
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
     env.pop("MLFLOW_RUN_ID", None)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)

@@ -5,14 +5,15 @@ dags/ and plugins/ folders. Servers the tests need (moto's S3 server) bind 127.0
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
+
+from training.launch import torchrun_command
+from training.util import free_port, wait_for_port  # noqa: F401 (tests import both from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 _TMP = Path(tempfile.mkdtemp(prefix="dtp-tests-"))
@@ -25,6 +26,7 @@ os.environ.update(
     AIRFLOW__CORE__UNIT_TEST_MODE="False",
     MLFLOW_TRACKING_URI=f"sqlite:///{_TMP / 'mlflow' / 'mlflow.db'}",
     TRAINING_VAR_DIR=str(_TMP / "var"),
+    TRAINING_DATA_CACHE=str(_TMP / "data-cache"),  # S3 datasets' local copies (training/tables.py)
     GLOO_SOCKET_IFNAME="lo",
     GX_ANALYTICS_ENABLED="False",
     MLFLOW_ENABLE_TELEMETRY="false",
@@ -37,22 +39,6 @@ os.environ.update(
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), os.environ.get("PYTHONPATH")]))
 (_TMP / "mlflow").mkdir(parents=True, exist_ok=True)
 sys.path.insert(0, str(ROOT / "plugins"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -114,15 +100,31 @@ def s3_server():
 def run_torchrun(nproc: int, sets: list[str], *, env: dict[str, str] | None = None, max_restarts: int = 0,
                  timeout: float = 300, popen: bool = False):
     """`torchrun ... -m training train --set k=v ...` on 127.0.0.1 with gloo, as a user would run it."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", str(max_restarts),
-           "-m", "training", "train", *[a for s in sets for a in ("--set", s)]]
+    cmd = torchrun_command([a for s in sets for a in ("--set", s)], nproc_per_node=nproc, master_port=free_port(),
+                           max_restarts=max_restarts)
     # A run id only when the test passes one (the ranks then log to that MLflow run).
     base = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
     full_env = {**base, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **(env or {})}
     if popen:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def local_checkpoint(root: Path, step: int, files: dict[str, bytes], world_size: int = 2) -> Path:
+    """A checkpoint folder as the trainer leaves it in a local ``checkpoint_dir``: its files, then
+    ``manifest.json`` with each file's size and sha256 (what ``upload_checkpoint`` commits)."""
+    import json
+
+    from training.storage import MANIFEST, file_entry, new_manifest
+
+    d = root / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    manifest = new_manifest(step=step, world_size=world_size, config_hash="abc",
+                            files=[file_entry(name, d / name) for name in files])
+    (d / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return d
 
 
 def load_dag(name: str):

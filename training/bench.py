@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from training.config import ConfigError, TrainConfig
+from training.launch import torchrun_command
+from training.util import free_port
 
 TAG_PARENT = "mlflow.parentRunId"
 TAG_POINT = "bench.point"
@@ -57,16 +57,9 @@ def grid(worlds, strategies, precisions, comm_hooks, *, base: dict[str, Any], cu
     return points, skipped
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(point: Point, sets: dict[str, Any], env: dict[str, str], log: Path) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(point.world_size),
-           "--master-addr", "127.0.0.1", "--master-port", str(_port()), "-m", "training", "train",
-           *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    cmd = torchrun_command([a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+                           nproc_per_node=point.world_size, master_port=free_port())
     with open(log, "w") as f:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                               cwd=Path(__file__).resolve().parents[1]).returncode

@@ -12,7 +12,7 @@ Writes into ``--out``:
   per-rank throughput at N ranks over the per-rank throughput at 1 rank of the same configuration;
 - ``step_time.png``: each run's step split into compute and communication;
 - ``loss.png``: ``train/loss`` curves overlaid;
-- ``time_to_target.png``: when runs logged ``time_to_target_s``.
+- ``time_to_target.png``: when runs recorded ``time_to_target_s`` (in their run summary).
 
 Throughput and communication are the median over the run's logged intervals (robust to the
 first, warm-up interval); evaluation figures are the last logged values.
@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# (metric, column title, how a run's history becomes one number)
+from training.tracking import summary_of
+
+# (metric, column title, how a run's history becomes one number; "summary": a one-off figure of the
+# run summary, training.tracking.summary_of)
 KEY_METRICS = [
     ("perf/samples_per_s", "samples/s", "median"),
     ("perf/step_s", "step (ms)", "median"),
@@ -35,7 +38,7 @@ KEY_METRICS = [
     ("comm/exposed_fraction", "exposed comm", "median"),
     ("eval/accuracy", "eval accuracy", "last"),
     ("eval/loss", "eval loss", "last"),
-    ("time_to_target_s", "time to target (s)", "last"),
+    ("time_to_target_s", "time to target (s)", "summary"),
 ]
 MS_METRICS = {"perf/step_s", "comm/s_per_step"}
 # Params that differ between any two runs by construction (paths keyed by run id, hashes of
@@ -114,14 +117,18 @@ def summarize(client, runs) -> list[RunSummary]:
     for run in runs:
         rid = run.info.run_id
         figures: dict[str, float | None] = {}
+        summary = summary_of(run)
         for name, _, how in KEY_METRICS:
+            if how == "summary":
+                figures[name] = summary.get(name)
+                continue
             if name not in run.data.metrics:
                 figures[name] = None
                 continue
             history = sorted(client.get_metric_history(rid, name), key=lambda m: (m.step, m.timestamp))
             figures[name] = _reduce([m.value for m in history], how)
         loss = sorted(client.get_metric_history(rid, "train/loss"), key=lambda m: m.step)
-        wall = run.data.metrics.get("pipeline/dag_wall_s")
+        wall = summary.get("dag_wall_s")
         if wall is None and run.info.end_time:
             wall = (run.info.end_time - run.info.start_time) / 1000
         out.append(RunSummary(run_id=rid, name=run.info.run_name or rid, status=run.info.status,
@@ -209,23 +216,31 @@ def scaling_points(summaries: list[RunSummary]) -> dict[str, list[dict[str, floa
     return out
 
 
-def _save(fig, path: Path) -> bool:
-    """Lay out, write and release one figure; plot functions return this (True: a file was written)."""
+def _figure(width: float, height: float, ncols: int = 1):
     import matplotlib.pyplot as plt
 
+    return plt.subplots(1, ncols, figsize=(width, height))
+
+
+def _save(fig, path: Path, axes=(), grid: str = "both") -> bool:
+    """Grid and legend on ``axes``, then lay out, write and release the figure (True: a file was written)."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(axis=grid, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
 
 
-def _plot_scaling(summaries: list[RunSummary], path: Path) -> bool:
-    import matplotlib.pyplot as plt
-
+def _plot_scaling(summaries: list[RunSummary], keys: list[str], path: Path) -> bool:
     groups = scaling_points(summaries)
     if not groups:
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = _figure(11, 4.2, ncols=2)
     any_eff, top = False, 1.25
     for name, pts in groups.items():
         ws = [p["world_size"] for p in pts]
@@ -245,18 +260,11 @@ def _plot_scaling(summaries: list[RunSummary], path: Path) -> bool:
                  ha="center", va="center", transform=ax2.transAxes)
     for ax in (ax1, ax2):
         ax.set_xticks(sizes)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
     ax1.set_ylim(bottom=0)
-    return _save(fig, path)
+    return _save(fig, path, (ax1, ax2))
 
 
-def _plot_step_time(summaries: list[RunSummary], keys: list[str], path: Path) -> bool:
-    import matplotlib.pyplot as plt
-
-    runs = [s for s in summaries if s.figures.get("perf/step_s") is not None]
-    if not runs:
-        return False
+def _plot_step_time(runs: list[RunSummary], keys: list[str], path: Path) -> bool:
     exposed_known = all(s.figures.get("comm/exposed_fraction") is not None for s in runs)
     labels, low, high = [], [], []
     for s in runs:
@@ -275,45 +283,39 @@ def _plot_step_time(summaries: list[RunSummary], keys: list[str], path: Path) ->
         names = ("rest of the step (step time - communication in flight)",
                  "gradient communication in flight (may overlap compute)")
         title = "Step time: communication in flight vs the rest (no exposed-time measurement logged)"
-    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(runs) + 3), 4.5))
+    fig, ax = _figure(max(8, 1.3 * len(runs) + 3), 4.5)
     x = range(len(runs))
     ax.bar(x, low, label=names[0], color="#4C72B0")
     ax.bar(x, high, bottom=low, label=names[1], color="#DD8452")
     ax.set_xticks(list(x), labels, rotation=20, ha="right", fontsize=8)
     ax.set(title=title, ylabel="ms per optimizer step (median)")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return _save(fig, path, (ax,), grid="y")
 
 
-def _plot_loss(summaries: list[RunSummary], keys: list[str], path: Path) -> bool:
-    import matplotlib.pyplot as plt
-
-    runs = [s for s in summaries if s.loss_curve]
-    if not runs:
-        return False
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+def _plot_loss(runs: list[RunSummary], keys: list[str], path: Path) -> bool:
+    fig, ax = _figure(8, 4.5)
     for s in runs:
         steps, values = zip(*s.loss_curve)
         ax.plot(steps, values, label=_label(s, keys), linewidth=1.5)
     ax.set(title="Training loss", xlabel="optimizer step", ylabel="train/loss (cross-entropy, mean over interval)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _save(fig, path, (ax,))
 
 
-def _plot_time_to_target(summaries: list[RunSummary], keys: list[str], path: Path) -> bool:
-    import matplotlib.pyplot as plt
-
-    runs = [s for s in summaries if s.figures.get("time_to_target_s") is not None]
-    if not runs:
-        return False
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(runs) + 3), 4))
+def _plot_time_to_target(runs: list[RunSummary], keys: list[str], path: Path) -> bool:
+    fig, ax = _figure(max(6, 1.3 * len(runs) + 3), 4)
     ax.bar(range(len(runs)), [s.figures["time_to_target_s"] for s in runs], color="#55A868")
     ax.set_xticks(range(len(runs)), [_label(s, keys) for s in runs], rotation=20, ha="right", fontsize=8)
     ax.set(title="Time to reach the target metric", ylabel="seconds (wall clock)")
-    ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return _save(fig, path, (ax,), grid="y")
+
+
+# Each plot: its file, which runs it draws (None: all), the function. Nothing to draw, no file.
+PLOTS = (
+    ("scaling.png", None, _plot_scaling),
+    ("step_time.png", lambda s: s.figures.get("perf/step_s") is not None, _plot_step_time),
+    ("loss.png", lambda s: bool(s.loss_curve), _plot_loss),
+    ("time_to_target.png", lambda s: s.figures.get("time_to_target_s") is not None, _plot_time_to_target),
+)
 
 
 # ---------------------------------------------------------------------------------- report
@@ -328,11 +330,9 @@ def write_report(experiment: str, out: str | Path, *, run_ids: list[str] | None 
     out.mkdir(parents=True, exist_ok=True)
     keys = differing_params(summaries)
     plots = {}
-    for name, make in (("scaling.png", lambda p: _plot_scaling(summaries, p)),
-                       ("step_time.png", lambda p: _plot_step_time(summaries, keys, p)),
-                       ("loss.png", lambda p: _plot_loss(summaries, keys, p)),
-                       ("time_to_target.png", lambda p: _plot_time_to_target(summaries, keys, p))):
-        if make(out / name):
+    for name, keep, make in PLOTS:
+        runs = [s for s in summaries if keep is None or keep(s)]
+        if runs and make(runs, keys, out / name):
             plots[name] = str(out / name)
     header, rows = table(summaries)
     intro = (f"Experiment `{experiment}`, {len(summaries)} runs (oldest first). Columns: the params that differ, "

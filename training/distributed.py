@@ -1,7 +1,14 @@
-"""Process-group set-up and ``parallelize(model, cfg)``: parallelism applied from outside the model."""
+"""Process-group set-up and ``parallelize(model, cfg)``: parallelism applied from outside the model.
+
+Everything that differs between DDP and FSDP2 is here, so the training loop never asks which one
+runs: ``gradient_sync`` (accumulation micro-batches that skip communication), ``for_evaluation``
+(the module to score without collectives where possible), ``full_tensor`` (a sharded tensor made
+whole) and ``local_state_bytes``; and the communication timing both report (``CommTimer``).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import threading
@@ -14,6 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from training.models import shard_units
+from training.util import free_port
 
 
 @dataclass
@@ -44,7 +54,7 @@ def init(timeout_s: int) -> DistInfo:
     if "RANK" not in os.environ:
         # Run by hand without torchrun: a one-rank group on loopback keeps one code path.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs = {"backend": backend, "timeout": timeout, "device_id": device if backend == "nccl" else None}
@@ -63,14 +73,6 @@ def init(timeout_s: int) -> DistInfo:
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class CommTimer:
@@ -114,8 +116,8 @@ class CommTimer:
         self.timed = True  # False where the strategy's collectives are not timed (FSDP on CUDA)
         self.last_launch: float | None = None
         self.last_launch_event = None  # CUDA only
-        # Test-only fault injection: every collective completes d ms later (a slow network).
-        self.delay_s = float(os.environ.get("TRAINING_FAULT_COMM_DELAY_MS") or 0) / 1000
+        # Every collective completes this much later (a slow network): set only by faults.install.
+        self.delay_s = 0.0
 
     def launched(self) -> float:
         """Called by the hook when DDP hands it a bucket; returns the launch time."""
@@ -257,19 +259,14 @@ HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compre
          "bf16": default_hooks.bf16_compress_hook}
 
 
-def _shard_units(model: nn.Module) -> list[nn.Module]:
-    """The sub-modules FSDP2 shards one by one: transformer blocks; else each conv/linear layer."""
-    if hasattr(model, "blocks"):
-        return list(model.blocks)
-    return [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
-
-
 def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommTimer]:
     """Wrap ``model`` for ``cfg.strategy``; returns the wrapped model and its comm timer.
 
     ddp: DistributedDataParallel with bucketed all-reduce overlapped with backward, gradients as
     views into the buckets (no extra copy), and the chosen (timed) comm hook.
-    fsdp: FSDP2 ``fully_shard`` on every unit from ``_shard_units`` and then the root; with
+    fsdp: FSDP2 ``fully_shard`` on every unit from ``models.shard_units`` (the model's
+    ``fsdp_units``: transformer blocks, the built-ins' linear/conv layers, a user's list; else each
+    direct child holding parameters) and then the root; with
     precision=bf16 parameters are all-gathered and computed in bf16, gradients reduced in fp32.
     """
     model = model.to(info.device)
@@ -279,6 +276,7 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
             model,
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
+            bucket_cap_mb=cfg.bucket_cap_mb,
         )
         wrapped.register_comm_hook(timer, _timed(HOOKS[cfg.comm_hook]))
         return wrapped, timer
@@ -286,7 +284,7 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16" else MixedPrecisionPolicy()
-        units = [*_shard_units(model), model]
+        units = [*shard_units(model), model]
         for unit in units:
             fully_shard(unit, mp_policy=mp)
         timer.timed = info.device.type == "cpu"  # see CommTimer: CUDA streams are not timed
@@ -297,6 +295,29 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
                 unit.set_custom_reduce_scatter(reduce_scatter)
         return model, timer
     raise ValueError(f"unknown strategy {cfg.strategy!r}")
+
+
+def gradient_sync(model: nn.Module, sync: bool):
+    """Context for one micro-batch's forward and backward. ``sync=False`` (an accumulation
+    micro-batch) skips gradient communication: DDP ``no_sync`` (DDP decides in forward whether
+    backward communicates); FSDP2 ``set_requires_gradient_sync(False)`` (the reduce-scatter then
+    runs on the last micro-batch only)."""
+    if isinstance(model, DDP):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def for_evaluation(model: nn.Module) -> nn.Module:
+    """The module to score with: DDP's inner module (every rank holds all weights; no collectives
+    in evaluation); FSDP2's model itself (its forward all-gathers the parameters)."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2's sharded parameters, a norm over them) gathered whole (a collective);
+    a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -1,5 +1,7 @@
-"""Figures the trainer logs beside loss: peak FLOP/s for MFU, evaluation during training,
-time-to-target, goodput and the run summary, MLflow system metrics, and logging each step once.
+"""How the figures the trainer logs beside loss are computed: peak FLOP/s for MFU, peak memory,
+time-to-target (``RunClock``, ``target_reached``), goodput (``lineage_summary``), MLflow system
+metrics, and logging each step once (``OnceLogger``). The trainer's telemetry (training/telemetry.py)
+decides when to measure and log them; evaluation during training is training/evaluate.py.
 
 Every method is described in docs/architecture.md ("Metrics"); the tests in
 tests/training/test_metrics.py check the figures against ground truths measured outside the trainer.
@@ -16,7 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from training.config import higher_is_better
+from training.log import logger
+from training.util import atomic_write
 
 # Dense (no sparsity) peak TFLOP/s per GPU from the vendors' datasheets:
 # (bf16 tensor cores, fp16 tensor cores, tf32 tensor cores, plain fp32). None: no such unit.
@@ -90,10 +95,7 @@ def peak_flops(device: torch.device, precision: str, cache: Path | None) -> tupl
         n = 256 if device.type == "cpu" and precision == "bf16" else 512
         source = f"measured: {device.type} matmul {n}x{n} {precision}, {torch.get_num_threads()} threads"
     if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"peak_flops": peak, "peak_source": source}))
-        os.replace(tmp, cache)
+        atomic_write(cache, json.dumps({"peak_flops": peak, "peak_source": source}))
     return peak, source
 
 
@@ -151,12 +153,8 @@ class RunClock:
         return float(self.data["start"])
 
     def _save(self) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data))
-        os.replace(tmp, self.path)
+        if self.path is not None:
+            atomic_write(self.path, json.dumps(self.data))
 
     def target(self) -> dict[str, float] | None:
         return self.data.get("target")
@@ -168,43 +166,8 @@ class RunClock:
 
 
 def target_reached(metric: str, value: float, target: float) -> bool:
-    """Accuracy must reach the target from below, a loss from above."""
-    return value >= target if metric.endswith("accuracy") else value <= target
-
-
-@torch.no_grad()
-def evaluate_sharded(model: torch.nn.Module, kind: str, features: torch.Tensor, labels: torch.Tensor | None,
-                     *, device: torch.device, rank: int, world_size: int, batch: int, autocast) -> dict[str, float]:
-    """Mean cross-entropy and accuracy over the validation split, each rank scoring a contiguous
-    1/world of the rows; sums are all-reduced so every rank gets the same figures. Every rank runs
-    the same number of forward calls (FSDP all-gathers parameters in each one)."""
-    from training.models import loss_fn, split_batch
-
-    n = len(features)
-    bounds = [n * r // world_size for r in range(world_size + 1)]
-    lo, hi = bounds[rank], bounds[rank + 1]
-    n_batches = math.ceil(max(bounds[r + 1] - bounds[r] for r in range(world_size)) / batch)
-    was_training = model.training
-    model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss * count, correct, count
-    try:
-        for b in range(n_batches):
-            s, e = min(hi, lo + b * batch), min(hi, lo + (b + 1) * batch)
-            x = features[s:e].to(device)
-            y = labels[s:e].to(device) if labels is not None else None
-            inputs, target = split_batch(kind, x, y)
-            with autocast():
-                logits = model(inputs)
-            if target.numel() == 0:
-                continue
-            sums[0] += float(loss_fn(logits, target)) * target.numel()
-            sums[1] += float((logits.argmax(dim=-1) == target).sum())
-            sums[2] += target.numel()
-    finally:
-        model.train(was_training)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    loss_sum, correct, count = sums.tolist()
-    return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+    """Accuracy and R² must reach the target from below, a loss or an RMSE from above."""
+    return value >= target if higher_is_better(metric) else value <= target
 
 
 def lineage_summary(records: list[dict[str, Any]], *, start: float, end: float,
@@ -254,11 +217,27 @@ def start_system_metrics(run_id: str | None):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         monitor = SystemMetricsMonitor(run_id, resume_logging=True)
+        if not os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"):
+            _ramp(monitor)
         monitor.start()
         return _SystemMetrics(monitor)
     except Exception as e:  # metrics about the machine must never stop training
-        print(f"system metrics: not logged ({e})", flush=True)
+        logger.warning(f"system metrics: not logged ({e})")
         return None
+
+
+def _ramp(monitor, first_s: float = 1.0) -> None:
+    """Sample after 1 s, then 2, 4, 8 s and from then on at MLflow's interval (10 s): a run of
+    twenty seconds still gets several samples, a long one no more points than MLflow's default.
+    The monitor's loop reads ``sampling_interval`` before every wait."""
+    final, publish = monitor.sampling_interval, monitor.publish_metrics
+    monitor.sampling_interval = min(first_s, final)
+
+    def publish_then_slow_down(metrics):
+        publish(metrics)
+        monitor.sampling_interval = min(final, 2 * monitor.sampling_interval)
+
+    monitor.publish_metrics = publish_then_slow_down
 
 
 class _SystemMetrics:
@@ -277,4 +256,4 @@ class _SystemMetrics:
             m.publish_metrics(m.aggregate_metrics())
             m.mlflow_logger.flush()
         except Exception as e:  # metrics about the machine must never stop training
-            print(f"system metrics: last sample not logged ({e})", flush=True)
+            logger.warning(f"system metrics: last sample not logged ({e})")

@@ -30,6 +30,7 @@ from airflow.providers.cncf.kubernetes.operators.resource import (
     KubernetesDeleteResourceOperator,
 )
 from airflow.sdk import TriggerRule
+from tests.conftest import local_checkpoint
 from training.fields import ConfigError
 from training_airflow.backends.kubernetes import checks
 from training_airflow.backends.kubernetes import operators as ops
@@ -72,7 +73,7 @@ def serialize(obj) -> dict:
 def build_job(kubeconfig: str, params: dict, *, run_id: str = RUN_ID, try_number: int = 1):
     """Job + Names, built by the real KubernetesJobOperator from our arguments."""
     names = K.names(params, mlflow_run_id=run_id, try_number=try_number)
-    cfg = K.pod_train_config(params, run_dir=names.run_dir)
+    cfg = K.pod_train_config(params, run_dir=names.run_dir, run_id=run_id)
     kwargs = K.job_operator_kwargs(params, names, mlflow_run_id=run_id, tracking_uri=MLFLOW, train_config=cfg)
     kwargs["kubernetes_conn_id"] = None  # no Airflow connection here: the kubeconfig file instead
     op = KubernetesJobOperator(task_id="train_on_kubernetes", in_cluster=False, config_file=kubeconfig,
@@ -102,7 +103,8 @@ def torchrun_args(container: dict):
 
 @pytest.fixture(scope="module")
 def built(kubeconfig):
-    params = k8s_params()
+    """The objects of a run that keeps its checkpoints on the ReadWriteMany PVC (checkpoint_location=local)."""
+    params = k8s_params(checkpoint_location="local")
     job, names = build_job(kubeconfig, params)
     pod, _ = build_upload_pod(kubeconfig, params)
     service = K.service_manifest(names)
@@ -345,6 +347,57 @@ def test_upload_pod_commits_the_final_checkpoint(built):
     assert (a.store_uri, a.experiment, a.run_id) == (built.params["store_uri"], built.params["experiment"], RUN_ID)
 
 
+@pytest.fixture(scope="module")
+def in_store(kubeconfig):
+    """The objects of a run whose ranks commit their checkpoints to the store (the default)."""
+    params = k8s_params()
+    assert params["checkpoint_location"] == "store"
+    job, names = build_job(kubeconfig, params)
+    return SimpleNamespace(params=params, job=job, spec=job["spec"]["template"]["spec"])
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_checkpoints_in_the_store_need_no_volume_and_no_upload_pod(in_store, version):
+    kubernetes_validate.validate(in_store.job, version, strict=True)
+    vols = {v["name"]: v for v in in_store.spec["volumes"]}
+    assert "checkpoints" not in vols, "no ReadWriteMany checkpoint volume"
+    assert [v["persistentVolumeClaim"]["claimName"] for v in vols.values() if "persistentVolumeClaim" in v] == [
+        in_store.params["k8s_data_pvc"]]
+    assert vols["tmp"]["emptyDir"] == {"sizeLimit": in_store.params["k8s_scratch_size"]}  # the spool
+    sets = dict(a.split("=", 1) for a in torchrun_args(in_store.spec["containers"][0]).training_script_args[2::2])
+    assert sets["checkpoint_dir"] == f"s3://checkpoints/team/{in_store.params['experiment']}/{RUN_ID}"
+    assert sets["output_dir"] == "/tmp/output"
+    env = env_of(in_store.spec["containers"][0])
+    assert all(env[n]["valueFrom"]["secretKeyRef"]["name"] == in_store.params["k8s_s3_secret"] for n in K.S3_ENV)
+    # The upload task skips itself: nothing to upload, the ranks committed the final checkpoint.
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    up = ops.UploadPodOperator(task_id="upload_on_kubernetes", handoff={"mlflow_run_id": RUN_ID})
+    with pytest.raises(AirflowSkipException, match="the ranks committed the final checkpoint"):
+        up.execute({"params": in_store.params, "ti": SimpleNamespace(try_number=1)})
+
+
+def test_the_init_container_checks_the_store_with_the_pods_secret(in_store, s3_server, tmp_path):
+    """In the store case `check-config` also lists and writes the run's place in the bucket, with
+    the same Secret as the ranks: a missing bucket fails the Job at once (exit code 2, FailJob)."""
+    (init,) = in_store.spec["initContainers"]
+    assert init["command"][:6] == ["python", "-m", "training", "train", "--print-config", "--check-access"]
+    env_refs = env_of(init)
+    assert all(env_refs[n]["valueFrom"]["secretKeyRef"]["name"] == in_store.params["k8s_s3_secret"] for n in K.S3_ENV)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # AWS_ENDPOINT_URL: moto, as the Secret would say
+    missing = subprocess.run([sys.executable, *init["command"][1:]], capture_output=True, text=True, env=env,
+                             cwd=tmp_path, timeout=120)
+    assert missing.returncode in in_store.job["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"]
+    assert "bucket 'checkpoints' does not exist (list team/" in missing.stderr, missing.stderr
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_server["endpoint"]).create_bucket(Bucket="checkpoints")
+    ok = subprocess.run([sys.executable, *init["command"][1:]], capture_output=True, text=True, env=env, cwd=tmp_path,
+                        timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["checkpoint_dir"].startswith("s3://checkpoints/team/")
+
+
 def test_dollar_parentheses_are_escaped_for_kubernetes():
     assert K.set_args({"dataset_uri": "/data/$(HOME)"}) == ["--set", "dataset_uri=/data/$$(HOME)"]
 
@@ -476,10 +529,7 @@ def test_committed_handoff_reads_the_commit_back_from_s3(s3_server, tmp_path):
 
     boto3.client("s3", endpoint_url=s3_server["endpoint"]).create_bucket(Bucket="checkpoints")
     params = k8s_params(steps=120)
-    step = tmp_path / "step_00000120"
-    step.mkdir()
-    (step / "model.safetensors").write_bytes(b"weights")
-    (step / "COMPLETE").write_text(json.dumps({"step": 120, "world_size": 32, "config_hash": "abc"}))
+    step = local_checkpoint(tmp_path, 120, {"model.safetensors": b"weights"}, world_size=32)
     upload_checkpoint(step, params["store_uri"], experiment=params["experiment"], run_id=RUN_ID)
 
     job = {"status": {"start_time": "2026-01-01T10:00:00Z", "completion_time": "2026-01-01T10:05:00Z"}}
@@ -639,6 +689,8 @@ def test_each_backend_is_a_task_group_and_a_branch_picks_one(dag):
     assert t["delete_rendezvous_service"].trigger_rule == TriggerRule.ALL_DONE_SETUP_SUCCESS
     assert t["delete_rendezvous_service"].upstream_task_ids >= {"train_on_kubernetes", "create_rendezvous_service"}
     assert t["trained"].upstream_task_ids == {"upload_checkpoint", "confirm_commit"}
+    # With the checkpoints in the store the upload pod is skipped; the commit is read back all the same.
+    assert t["confirm_commit"].trigger_rule == TriggerRule.NONE_FAILED
     assert t["trained"].trigger_rule == TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS
     assert t["evaluate"].upstream_task_ids == {"trained"}
     assert "k8s_nnodes" in dag.params and dag.params.get_param("backend").schema["enum"] == ["local", "kubernetes"]

@@ -155,14 +155,14 @@ def test_corrupt_parquet_footer(clean, tmp_path):
 
 def test_missing_dataset_is_a_clear_error(tmp_path):
     assert _failures(tmp_path / "nowhere") == [
-        f"dataset.json: {tmp_path / 'nowhere' / 'dataset.json'} not found: dataset_uri must be a folder written by "
-        "`python -m training make-data`"]
+        f"config field 'dataset_uri': {tmp_path / 'nowhere'} does not exist. Fix: give an existing folder, Parquet "
+        "file or s3:// prefix"]
 
 
 def test_missing_split_folder(clean, tmp_path):
     bad = _copy(clean, tmp_path / "bad")
     shutil.rmtree(bad / "validation")
-    assert _failures(bad) == [f"validation: no Parquet files under {bad / 'validation'}"]
+    assert _failures(bad) == [f"validation: no Parquet files under {bad / 'validation'} (nor {bad / 'val'})"]
 
 
 def test_duplicate_rows_beyond_the_bound(clean, tmp_path):

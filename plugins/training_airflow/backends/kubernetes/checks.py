@@ -83,5 +83,5 @@ def check_params(params: dict[str, Any], *, worker_tracking_uri: str | None) -> 
     pod_tracking_uri(params, worker_tracking_uri)
     sizes = world_sizes(params)
     for ws in sizes:  # the trainer's own rules (batch size divisible by the world size...)
-        pod_train_config(params, run_dir=f"{CHECKPOINT_MOUNT}/check", world_size=ws)
+        pod_train_config(params, run_dir=f"{CHECKPOINT_MOUNT}/check", run_id="check", world_size=ws)
     return sizes[-1]

@@ -5,7 +5,6 @@ operators when it parses the DAG file), and the worker-side confirmation of the 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from functools import cached_property
@@ -17,7 +16,7 @@ from airflow.providers.cncf.kubernetes.operators.resource import (
     KubernetesCreateResourceOperator,
     KubernetesDeleteResourceOperator,
 )
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from training_airflow.backends.kubernetes import watch
 from training_airflow.backends.kubernetes.checks import pod_tracking_uri
@@ -27,6 +26,7 @@ from training_airflow.backends.kubernetes.spec import (
     JOB_STATIC_KWARGS,
     POD_STATIC_KWARGS,
     Names,
+    in_store,
     job_operator_kwargs,
     job_wall_s,
     names,
@@ -40,22 +40,20 @@ log = logging.getLogger(__name__)
 
 
 def committed_handoff(params: dict[str, Any], opened: Opened, *, job: dict[str, Any] | None) -> Handoff:
-    """After the upload pod: read the commit back from the store (the worker has no checkpoint
-    volume; the store settings are the run's, as on the local backend) and hand on the same keys
-    as the local backend's ``upload_checkpoint``."""
-    from training.storage import LATEST, open_store, run_prefix
+    """After the Job (checkpoints in the store: the ranks committed the final one) or the upload
+    pod: read the commit back from the store (the worker has no checkpoint volume; the store
+    settings are the run's, as on the local backend) and hand on the same keys as the local
+    backend's ``upload_checkpoint``."""
+    from training.storage import StoreError, read_commit, run_location
 
     run_id = opened["mlflow_run_id"]
-    store = open_store(params["store_uri"], store_env(params))
-    prefix = run_prefix(params["experiment"], run_id)
-    raw = store.get_bytes(f"{prefix}/{LATEST}")
-    if raw is None:
-        raise RuntimeError(f"the upload pod finished but {store.uri}/{prefix}/{LATEST} does not exist")
-    latest = json.loads(raw)
+    try:
+        latest = read_commit(run_location(params["store_uri"], params["experiment"], run_id, store_env(params)))
+    except StoreError as e:
+        raise RuntimeError(f"training finished but {e}") from None
     return Handoff(mlflow_run_id=run_id, dataset_uri=opened["dataset_uri"],
-                   dataset_fingerprint=opened["dataset_fingerprint"],
-                   checkpoint_uri=f"{store.uri}/{prefix}/{latest['step_dir']}", final_step=int(latest["step"]),
-                   torchrun_wall_s=job_wall_s(job))
+                   dataset_fingerprint=opened["dataset_fingerprint"], checkpoint_uri=latest["uri"],
+                   final_step=latest["step"], torchrun_wall_s=job_wall_s(job))
 
 
 @fails_fast
@@ -64,8 +62,8 @@ def confirm_commit(params: dict[str, Any], opened: Opened, *, job: dict[str, Any
     handoff = committed_handoff(params, opened, job=job)
     logger = run_logger(handoff["mlflow_run_id"])
     logger.set_tags({"checkpoint.uri": handoff["checkpoint_uri"]})
-    # Same metric name as the local backend; here it is the Job's start-to-completion time.
-    logger.log_metrics_once({"pipeline/torchrun_wall_s": handoff["torchrun_wall_s"]}, step=handoff["final_step"])
+    # Same summary figure as the local backend; here it is the Job's start-to-completion time.
+    logger.log_summary({"torchrun_wall_s": handoff["torchrun_wall_s"]})
     log.info("committed %s (step %d); Job wall time %.0fs", handoff["checkpoint_uri"], handoff["final_step"],
              handoff["torchrun_wall_s"])
     return handoff
@@ -95,6 +93,16 @@ class _RunBound:
     def _names(self, context: Any) -> Names:
         return names(context["params"], mlflow_run_id=self._run_id(context), try_number=context["ti"].try_number)
 
+    def _provider_execute(self, context: Any, error: type, status: int, fine: str) -> None:
+        """The provider's own execute; an API answer of ``status`` only (409 exists, 404 gone) is fine."""
+        try:
+            super().execute(context)  # type: ignore[misc]  # the provider's operator, next in the MRO
+        except error as e:
+            if not all(getattr(x, "status", None) == status for x in e.api_exceptions):
+                raise
+            log.info("%s", fine)
+
+
 
 class _ServiceBound(_RunBound):
     """The rendezvous Service's create and delete operators: the same manifest."""
@@ -119,12 +127,8 @@ class RendezvousServiceOperator(_ServiceBound, KubernetesCreateResourceOperator)
         from kubernetes.utils import FailToCreateError
 
         names_ = self.prepare(context)
-        try:
-            super().execute(context)
-        except FailToCreateError as e:
-            if not all(getattr(x, "status", None) == 409 for x in e.api_exceptions):
-                raise
-            log.info("Service %s/%s already exists (a retried task): reusing it", names_.namespace, names_.service)
+        self._provider_execute(context, FailToCreateError, 409,
+                               f"Service {names_.namespace}/{names_.service} already exists (a retried task): reusing it")
         # Read it back. The provider retries a failed create with the generator of YAML documents
         # its first attempt consumed, so a retried transient error ends in "Resource was created"
         # with nothing created; this read turns that into a failure (and an Airflow retry).
@@ -155,12 +159,8 @@ class DeleteRendezvousServiceOperator(_ServiceBound, KubernetesDeleteResourceOpe
         from airflow.providers.cncf.kubernetes.utils.delete_from import FailToDeleteError
 
         names_ = self.prepare(context)
-        try:
-            super().execute(context)
-        except FailToDeleteError as e:
-            if not all(getattr(x, "status", None) == 404 for x in e.api_exceptions):
-                raise
-            log.info("Service %s/%s does not exist (never created or already deleted)", names_.namespace, names_.service)
+        self._provider_execute(context, FailToDeleteError, 404,
+                               f"Service {names_.namespace}/{names_.service} does not exist (never created or already deleted)")
 
 
 class TrainingJobOperator(_RunBound, KubernetesJobOperator):
@@ -187,7 +187,7 @@ class TrainingJobOperator(_RunBound, KubernetesJobOperator):
         params = context["params"]
         names_ = self._names(context)
         tracking_uri = pod_tracking_uri(params, os.environ.get("MLFLOW_TRACKING_URI"))
-        cfg = pod_train_config(params, run_dir=names_.run_dir)
+        cfg = pod_train_config(params, run_dir=names_.run_dir, run_id=self._run_id(context))
         apply_kwargs(self, job_operator_kwargs(params, names_, mlflow_run_id=self._run_id(context),
                                                tracking_uri=tracking_uri, train_config=cfg))
         self.startup_timeout_s = float(params["k8s_startup_timeout_s"])
@@ -219,7 +219,8 @@ class TrainingJobOperator(_RunBound, KubernetesJobOperator):
 
 
 class UploadPodOperator(_RunBound, KubernetesPodOperator):
-    """`python -m training upload` in a pod that mounts the checkpoint volume read-only."""
+    """`python -m training upload` in a pod that mounts the checkpoint volume read-only; skipped
+    when the ranks committed their checkpoints to the store themselves (checkpoint_location=store)."""
 
     template_fields = (*KubernetesPodOperator.template_fields, "handoff")
 
@@ -233,5 +234,8 @@ class UploadPodOperator(_RunBound, KubernetesPodOperator):
         return names_
 
     def execute(self, context: Any):
+        if in_store(context["params"]):
+            raise AirflowSkipException("checkpoint_location=store: the ranks committed the final checkpoint to the "
+                                       "store themselves; no upload pod (confirm_commit reads it back)")
         self.prepare(context)
         return super().execute(context)

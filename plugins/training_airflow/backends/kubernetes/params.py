@@ -58,9 +58,13 @@ class KubernetesParams:
     k8s_shm_size: str = _k8s("8Gi", "size of the in-memory /dev/shm volume (data loader workers, NCCL); it counts "
                              "against the memory limit", title="/dev/shm size", pattern=QUANTITY)
     k8s_checkpoint_pvc: str = _k8s(
-        "training-checkpoints", "ReadWriteMany PersistentVolumeClaim mounted at /checkpoints in every pod; ranks "
-        "write checkpoints there and a retried Job resumes from them", title="Checkpoint PVC", pattern=DNS_LABEL,
-        schema=_NAME)
+        "training-checkpoints", "with checkpoint_location=local only: ReadWriteMany PersistentVolumeClaim mounted at "
+        "/checkpoints in every pod; ranks write checkpoints there, a retried Job resumes from them and an upload pod "
+        "commits the final one to the store", title="Checkpoint PVC", pattern=DNS_LABEL, schema=_NAME)
+    k8s_scratch_size: str = _k8s(
+        "20Gi", "size limit of a training pod's writable /tmp (emptyDir): with checkpoint_location=store each rank "
+        "downloads there the checkpoint files it reads on resume (its shard; with ddp the whole checkpoint) and rank "
+        "0 exports the final model there", title="Scratch (/tmp) size", pattern=QUANTITY)
     k8s_data_pvc: str = _k8s("training-data", "PersistentVolumeClaim mounted read-only at /data",
                              title="Dataset PVC", pattern=DNS_LABEL, schema=_NAME)
     k8s_dataset_path: str = _k8s(

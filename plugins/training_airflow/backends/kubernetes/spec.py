@@ -6,8 +6,17 @@ One training run on a cluster is a headless Service (``clusterIP: None``) that g
 training pod a stable DNS name; an Indexed Job (``completions = parallelism = k8s_nnodes``) whose
 pod ``i`` gets the hostname ``<job name>-<i>`` and, with ``subdomain`` = the Service, the DNS name
 ``<job name>-<i>.<service>.<namespace>.svc.<cluster domain>``: every pod runs torchrun with the
-c10d rendezvous on pod 0's name, so no pod needs another one's IP address; then an upload pod
-that mounts the same checkpoint volume and commits the final checkpoint to the store.
+c10d rendezvous on pod 0's name, so no pod needs another one's IP address.
+
+Where checkpoints go (Param ``checkpoint_location``):
+
+- ``store`` (default): every rank commits each checkpoint straight to the run's place in the
+  ``s3://`` store; a replacement pod or a retried Job resumes from there. No checkpoint volume
+  (no ReadWriteMany storage class needed) and no upload pod: the final checkpoint is committed
+  when the Job ends. The pods' writable ``/tmp`` (``k8s_scratch_size``) holds what a rank
+  downloads to resume.
+- ``local``: the ReadWriteMany PVC ``k8s_checkpoint_pvc`` at ``/checkpoints`` in every pod; an
+  upload pod mounts it read-only and commits the final checkpoint to the store.
 """
 
 from __future__ import annotations
@@ -144,15 +153,26 @@ def grace(params: dict[str, Any]) -> Grace:
     return Grace(pod_s=pod, agent_s=pod - GRACE_MARGIN_S, rank_s=pod - 2 * GRACE_MARGIN_S)
 
 
-def pod_train_config(params: dict[str, Any], *, run_dir: str, world_size: int | None = None) -> dict[str, Any]:
-    """The TrainConfig the pods run, built by the same code as the local backend's; the
-    preemption grace is the pod's (``grace``), not the local backend's Param."""
+def in_store(params: dict[str, Any]) -> bool:
+    """Checkpoints straight to the store (no volume, no upload pod), or on the PVC."""
+    return params.get("checkpoint_location", "store") == "store"
+
+
+def pod_train_config(params: dict[str, Any], *, run_dir: str, run_id: str, world_size: int | None = None) -> dict[str, Any]:
+    """The TrainConfig the pods run, built by the same code as the local backend's. With the
+    checkpoints in the store the run's records (steps.jsonl...) stay in the pod's /tmp."""
+    from training.storage import run_uri
     from training_airflow import context
 
+    if in_store(params):
+        where = {"checkpoint_dir": run_uri(params["store_uri"], params["experiment"], run_id), "output_dir": "/tmp/output"}
+    else:
+        where = {"checkpoint_dir": f"{run_dir}/checkpoints", "output_dir": f"{run_dir}/output"}
+    # The preemption grace is the pod's (``grace``), not the local backend's Param.
     cfg = context.train_config({**params, "preempt_grace_s": grace(params).rank_s},
-                               world_size=world_size or world_sizes(params)[-1],
-                               checkpoint_dir=f"{run_dir}/checkpoints", output_dir=f"{run_dir}/output").to_dict()
-    cfg["dataset_uri"] = params["k8s_dataset_path"]
+                               world_size=world_size or world_sizes(params)[-1], **where).to_dict()
+    if not str(cfg["dataset_uri"]).startswith("s3://"):  # the pods read an s3:// dataset themselves
+        cfg["dataset_uri"] = params["k8s_dataset_path"]
     return cfg
 
 
@@ -228,13 +248,16 @@ def s3_env(secret: str) -> list[k8s.V1EnvVar]:
 
 
 def _volumes(params: dict[str, Any], *, trainer: bool) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]]:
-    """Checkpoint volume (read-write for the trainer, read-only for the upload) and a writable /tmp;
-    the trainer also gets the dataset (read-only) and an in-memory /dev/shm."""
-    vols = [k8s.V1Volume(name="checkpoints", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
-                claim_name=params["k8s_checkpoint_pvc"])),
-            k8s.V1Volume(name="tmp", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit="4Gi"))]
-    mounts = [k8s.V1VolumeMount(name="checkpoints", mount_path=CHECKPOINT_MOUNT, read_only=not trainer),
-              k8s.V1VolumeMount(name="tmp", mount_path="/tmp")]
+    """A writable /tmp and, unless the checkpoints go to the store, the checkpoint volume
+    (read-write for the trainer, read-only for the upload); the trainer also gets the dataset
+    (read-only) and an in-memory /dev/shm."""
+    vols = [k8s.V1Volume(name="tmp", empty_dir=k8s.V1EmptyDirVolumeSource(
+                size_limit=params.get("k8s_scratch_size", "4Gi") if trainer else "4Gi"))]
+    mounts = [k8s.V1VolumeMount(name="tmp", mount_path="/tmp")]
+    if not (trainer and in_store(params)):
+        vols.insert(0, k8s.V1Volume(name="checkpoints", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+            claim_name=params["k8s_checkpoint_pvc"])))
+        mounts.insert(0, k8s.V1VolumeMount(name="checkpoints", mount_path=CHECKPOINT_MOUNT, read_only=not trainer))
     if trainer:
         vols.append(k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
             claim_name=params["k8s_data_pvc"], read_only=True)))
@@ -299,7 +322,7 @@ def pod_failure_policy() -> k8s.V1PodFailurePolicy:
         k8s.V1PodFailurePolicyRule(action="Ignore", on_exit_codes=k8s.V1PodFailurePolicyOnExitCodesRequirement(
             container_name=BASE_CONTAINER, operator="In", values=[EXIT_PREEMPTED])),
         # Preemption, eviction, node drain: not the pod's fault; a replacement does not count
-        # against backoffLimit and resumes from the latest checkpoint on the shared volume.
+        # against backoffLimit and resumes from the latest checkpoint (store or shared volume).
         k8s.V1PodFailurePolicyRule(action="Ignore", on_pod_conditions=[
             k8s.V1PodFailurePolicyOnPodConditionsPattern(type="DisruptionTarget", status="True")]),
     ])
@@ -325,8 +348,12 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
            *[k8s.V1EnvVar(name=k, value=str(v)) for k, v in sorted(dict(params.get("k8s_nccl_env") or {}).items())]]
     check = k8s.V1Container(
         name=CHECK_CONTAINER, image=params["k8s_image"], image_pull_policy=params["k8s_image_pull_policy"],
-        command=["python", "-m", "training", "train", "--print-config", *set_args(train_config)],
-        env=_base_env(), security_context=container_security_context(),
+        # With the checkpoints in the store it also lists and writes the run's place there with the
+        # pods' own S3 Secret: a missing bucket or refused keys fail the Job at once (exit 2).
+        command=["python", "-m", "training", "train", "--print-config", *(["--check-access"] if in_store(params) else []),
+                 *set_args(train_config)],
+        env=[*_base_env(), *(s3_env(params["k8s_s3_secret"]) if in_store(params) else [])],
+        security_context=container_security_context(),
         resources=k8s.V1ResourceRequirements(requests={"cpu": "100m", "memory": "256Mi"},
                                              limits={"cpu": "1", "memory": "1Gi"}),
         volume_mounts=[k8s.V1VolumeMount(name="tmp", mount_path="/tmp")],
