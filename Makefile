@@ -18,7 +18,7 @@ export GX_ANALYTICS_ENABLED := False
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := true
 
-.PHONY: install demo test test-fast airflow-up airflow-down mlflow-ui compare screenshots chromium clean help docs
+.PHONY: install demo test test-fast airflow-up airflow-down mlflow-ui compare screenshots chromium podman images clean help docs
 
 help:
 	@echo "make demo         install (first time), make data, run one full DAG run, print where to look"
@@ -29,6 +29,7 @@ help:
 	@echo "make mlflow-ui    MLflow UI on 127.0.0.1:5000 over the project's tracking store"
 	@echo "make compare      comparison report of the last LAST=10 runs of EXPERIMENT=distributed_training"
 	@echo "make screenshots  refresh docs/images/ from the headless-browser test of the web UI"
+	@echo "make images       build the training and Airflow images (IMAGE_BASE=debian: CPU training image, no registry)"
 
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,7 +45,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium podman
 	$(BIN)/python -m pytest -q
 
 # The tests not marked slow (no live Airflow, no full DAG runs): a few minutes, for a quick check.
@@ -61,6 +62,29 @@ chromium:
 	  echo "chromium is missing: install it (Debian/Ubuntu: sudo apt-get install -y chromium), then run make test again"; \
 	  exit 1; \
 	fi
+
+# The image and pod tests (tests/e2e/test_images.py, test_pods.py) build and run containers with
+# podman (as root: runc, native overlay; settings in docker/podman/) and make their base image from
+# Debian packages with mmdebstrap. Installed here when missing and we may.
+PODMAN_PACKAGES := podman runc fuse-overlayfs uidmap slirp4netns catatonit iptables mmdebstrap \
+	containernetworking-plugins golang-github-containernetworking-plugin-dnsname dnsmasq-base
+podman:
+	@command -v podman >/dev/null && command -v mmdebstrap >/dev/null && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing podman and mmdebstrap (apt-get) for the image and pod tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    $(PODMAN_PACKAGES) >/dev/null; \
+	else \
+	  echo "podman is missing: install it (Debian/Ubuntu: sudo apt-get install -y $(PODMAN_PACKAGES)), then run make test again"; \
+	  exit 1; \
+	fi
+
+# `make images`: the training image on the CUDA runtime (default) or on a Debian base made here
+# from packages (IMAGE_BASE=debian, the CPU variant the tests run), and the Airflow image.
+IMAGE_BASE ?= cuda
+IMAGES ?= training airflow
+images: $(STAMP)
+	$(BIN)/python scripts/images.py --base $(IMAGE_BASE) $(IMAGES)
 
 EXPERIMENT ?= distributed_training
 LAST ?= 10

@@ -7,8 +7,9 @@ it in the same run, rounds interleaved so both see the same machine load:
 
 - ``boto3 default``: ``client.upload_file`` with boto3's default client and TransferConfig;
 - ``ours: put_file``: ``S3Store.put_file`` (our TransferConfig, retries, sha256 metadata);
-- ``ours: upload_checkpoint``: the whole commit of a one-file checkpoint (sha256 of the file,
-  making the client, upload, manifest, ``latest``), what the ``upload_checkpoint`` task does.
+- ``ours: upload_checkpoint``: the whole commit of a one-file checkpoint from a local folder
+  (the file checked against its manifest's sha256, making the client, upload, manifest, ``latest``),
+  what the ``upload_checkpoint`` task does with ``checkpoint_location=local``.
 
 Prints MiB/s per variant (median of the rounds) and the ratio ours / boto3 default. ``--sweep``
 also tries other part sizes and concurrencies (how the defaults in training/storage.py were chosen).
@@ -22,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from training.util import free_port, sha256_file, wait_for_port  # noqa: E402 (after the path is set)
+from benchmarks.local_s3 import empty_bucket, moto_s3  # noqa: E402 (after the path is set)
+from training.util import sha256_file  # noqa: E402
 
 
 def main() -> int:
@@ -42,21 +43,10 @@ def main() -> int:
                     help="also try these part sizes (MiB) x concurrencies, e.g. 8x8,16x8,64x4")
     a = ap.parse_args()
 
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # Dummy credentials: moto accepts any, and nothing here may reach a real account.
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_DEFAULT_REGION="us-east-1")
-    try:
-        wait_for_port(port)
-        import boto3
-
+    with moto_s3("bench") as raw:
         from training import storage
+        from training.s3_store import CONCURRENCY, PART_SIZE
 
-        raw = boto3.client("s3", endpoint_url=endpoint)
-        raw.create_bucket(Bucket="bench")
         with tempfile.TemporaryDirectory() as tmp:
             ck = Path(tmp) / "step_00000001"
             ck.mkdir()
@@ -64,8 +54,10 @@ def main() -> int:
             with open(data, "wb") as f:
                 for _ in range(a.mb):
                     f.write(os.urandom(1 << 20))
-            (ck / "COMPLETE").write_text(json.dumps({"step": 1, "world_size": 1, "config_hash": "bench"}))
             sha = sha256_file(data)
+            manifest = storage.new_manifest(step=1, world_size=1, config_hash="bench",
+                                            files=[{"path": data.name, "size": data.stat().st_size, "sha256": sha}])
+            (ck / storage.MANIFEST).write_text(json.dumps(manifest))
             mb = data.stat().st_size / 2**20
 
             def boto3_default(i: int) -> None:
@@ -81,7 +73,7 @@ def main() -> int:
                 storage.upload_checkpoint(ck, f"s3://bench/commit{i}", experiment="bench", run_id="r")
 
             variants = {"boto3 default (8 MiB parts, 10 threads)": boto3_default,
-                        f"ours: put_file ({storage.PART_SIZE >> 20} MiB parts, {storage.CONCURRENCY} threads)": ours_put,
+                        f"ours: put_file ({PART_SIZE >> 20} MiB parts, {CONCURRENCY} threads)": ours_put,
                         "ours: upload_checkpoint (sha256 + upload + manifest + latest)": ours_commit}
             for spec in filter(None, a.sweep.split(",")):
                 part, conc = spec.split("x")
@@ -98,11 +90,7 @@ def main() -> int:
                     t0 = time.perf_counter()
                     fn(r)
                     times[name].append(time.perf_counter() - t0)
-                # Keep moto's memory flat: drop what this round stored.
-                for page in raw.get_paginator("list_objects_v2").paginate(Bucket="bench"):
-                    keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-                    if keys:
-                        raw.delete_objects(Bucket="bench", Delete={"Objects": keys})
+                empty_bucket(raw, "bench")  # keep moto's memory flat
 
         base = statistics.median(times["boto3 default (8 MiB parts, 10 threads)"])
         print(f"file: {mb:.0f} MiB, moto_server on 127.0.0.1, {a.rounds} interleaved rounds, median per variant")
@@ -111,9 +99,6 @@ def main() -> int:
             print(f"  {name:64s} {mb / med:7.1f} MiB/s  ({med:.2f} s)  x{base / med:.2f} vs boto3 default")
         print(f"machine load (1-min average) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         return 0
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
 if __name__ == "__main__":

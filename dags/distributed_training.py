@@ -8,18 +8,24 @@ One run of this DAG trains one model and records everything in **one MLflow run*
    no rank starts.
 2. **train and commit**, in the task group of the backend:
    - *local*: **train** starts `torchrun --nproc-per-node <world_size>` on the worker (DDP/FSDP
-     over gloo on CPU, nccl on GPUs; checkpoints every K steps, a retried task resumes from the
-     latest), then **upload_checkpoint** commits the final checkpoint to the store (`file://` or
-     `s3://`): objects, `manifest.json` with every sha256, then the `latest` pointer.
+     over gloo on CPU, nccl on GPUs). Every K steps each rank writes its shard straight to the
+     store (`file://` or `s3://`) and rank 0 commits it: `manifest.json` with every sha256, then
+     the `latest` pointer; a retried task resumes from the newest checkpoint that verifies, on any
+     worker. **upload_checkpoint** reads the final commit back (with `checkpoint_location=local`:
+     uploads the final checkpoint from the worker's disk).
    - *kubernetes* (when the deployment enables it): **create_rendezvous_service** (setup) ->
      **train_on_kubernetes** (Indexed Job of `k8s_nnodes` pods, torchrun with the c10d rendezvous
-     on pod 0) -> **upload_on_kubernetes** (a pod commits the checkpoint to the `s3://` store) ->
+     on pod 0, checkpoints straight to the `s3://` store) -> **upload_on_kubernetes** (only with
+     `checkpoint_location=local`: a pod uploads the final checkpoint from the PVC) ->
      **confirm_commit**; **delete_rendezvous_service** is the teardown.
 3. **evaluate** - fetches the checkpoint back, verifies it against the manifest, scores the
    validation split (`eval/loss`, `eval/accuracy`).
 4. **register** - logs the model to MLflow, registers it, and gives it the `champion` alias if it
    beats the current one.
-5. **report** - closes the MLflow run and records the orchestration overhead.
+5. **report** - records the orchestration overhead, draws the run's plots and closes the MLflow run.
+
+Every task has the link **MLflow run** (top of the task's page): the MLflow run of this DAG run,
+whose description links back here and carries this run's note.
 
 Trigger it with the form (every field explains itself), then open MLflow and compare runs.
 """
@@ -62,10 +68,10 @@ def pipeline():
     """The task wiring of a training run, shared by both DAGs below."""
 
     @task
-    def validate_data(params=None, dag=None, run_id=None, triggering_asset_events=None):
+    def validate_data(params=None, dag=None, run_id=None, dag_run=None, triggering_asset_events=None):
         from training_airflow import tasks
 
-        return tasks.validate_data(params, dag_id=dag.dag_id, dag_run_id=run_id,
+        return tasks.validate_data(params, dag_id=dag.dag_id, dag_run_id=run_id, dag_run=dag_run,
                                    dataset_uri=tasks.dataset_from_events(triggering_asset_events))
 
     @task
@@ -91,7 +97,8 @@ def pipeline():
     report(register(evaluate(handoff)))
 
 
-COMMON = dict(start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=1, default_args=DEFAULT_ARGS)
+COMMON = dict(start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=settings.max_active_runs(),
+              default_args=DEFAULT_ARGS)
 
 # Schedule: TRAINING_SCHEDULE (cron or preset, `none` to switch it off); see docs/operations.md.
 distributed_training = dag(dag_id="distributed_training", schedule=settings.training_schedule(),

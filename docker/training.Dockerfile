@@ -7,6 +7,10 @@
 # --build-arg BASE_IMAGE=python:3.11-slim-bookworm for CPU pods. torch's wheel brings its own CUDA
 # libraries; the base image supplies the rest of the user-space stack, the node supplies the driver.
 # TORCH_INDEX_URL (optional) installs torch from another wheel index, e.g. a CPU-only build.
+# `make images` (scripts/images.py) builds it with podman or docker; without a registry it makes a
+# Debian base from packages (--base debian). Behind a proxy, pip's configuration comes in only for
+# the install step, as build secrets (never in a layer):
+#   --secret id=pip.conf,src=pip.conf [--secret id=pip-ca,src=proxy-ca.crt]
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}
 
@@ -31,7 +35,10 @@ RUN if ! python3 -c "import ensurepip, venv" 2>/dev/null; then \
     && python3 -m venv /opt/venv
 
 COPY requirements-training.txt /tmp/requirements-training.txt
-RUN if [ -n "${TORCH_INDEX_URL}" ]; then \
+# PIP_CONFIG_FILE names the secret's path; pip skips it when no secret was given.
+RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-ca \
+    export PIP_CONFIG_FILE=/run/secrets/pip.conf \
+    && if [ -n "${TORCH_INDEX_URL}" ]; then \
         pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "$(grep '^torch==' /tmp/requirements-training.txt)"; \
     fi \
     && pip install --no-cache-dir -r /tmp/requirements-training.txt \

@@ -5,9 +5,14 @@ Airflow DagRun in the project-local SQLite metadata DB, tasks run one after anot
 the run back from MLflow and prints where to look. Run it again for a second run.
 
 The one-time set-up runs side by side: the dataset and Airflow's database migration in child
-processes while this process loads the DAG and creates the MLflow store's tables.
+processes while this process loads the DAG and creates the MLflow store's tables. The tasks' logs
+are also written where a worker writes them (training_airflow.inprocess_logs), so after
+`make airflow-up` the run's page shows every task's log, like a run made by the scheduler.
+`dag.test()` rather than the scheduler: one process, no servers left running, and no start-up
+of four Airflow parts before the first task.
 
     python scripts/demo.py [--set key=value ...]     # e.g. --set world_size=1 --set steps=500
+    python scripts/demo.py --set dataset_uri=/data/wine --set label_column=target   # your own table
 
 The demo asks for time-to-accuracy (``DEMO_CONF``: the time from the start of training until
 eval/accuracy first reaches 0.88 on the validation split; the data's ceiling is 0.925); --set
@@ -62,9 +67,9 @@ def main() -> int:
     from training_airflow import settings
 
     tracking_uri = settings.ensure_tracking_uri()
-    dataset = Path(settings.resolve_path(conf.get("dataset_uri", settings.default_dataset_uri())))
+    dataset = Path(settings.resolve_path(settings.default_dataset_uri()))
     setup = {}
-    if not (dataset / "dataset.json").exists():
+    if "dataset_uri" not in conf and not (dataset / "dataset.json").exists():  # never write into a user's folder
         print(f"==> making the demo dataset in {dataset}")
         setup["make-data"] = subprocess.Popen([sys.executable, "-m", "training", "make-data", "--out", str(dataset)])
     print("==> preparing the Airflow metadata DB (SQLite, project-local) and the MLflow store")
@@ -81,12 +86,18 @@ def main() -> int:
             return 1
 
     print("==> running one DAG run of distributed_training (tasks stream their logs below)")
+    from training_airflow.inprocess_logs import task_logs_to_files
+
     t0 = time.perf_counter()
-    dag_run = dag.test(run_conf=conf)
+    with task_logs_to_files():
+        dag_run = dag.test(run_conf=conf)
     wall = time.perf_counter() - t0
     state = str(getattr(dag_run, "state", "unknown"))
 
     from mlflow.tracking import MlflowClient
+
+    from training.tracking import experiment_url, run_url, summary_of
+    from training_airflow.links import airflow_run_url
 
     client = MlflowClient()
     experiment = conf.get("experiment", "distributed_training")
@@ -100,28 +111,36 @@ def main() -> int:
         print("No MLflow run was opened: the first task failed. Read its log above.")
         return 1
     run = runs[0]
-    m, tags = run.data.metrics, run.data.tags
-    print(f"MLflow run   : {run.info.run_id}  status={run.info.status}  experiment={experiment}")
+    m, tags, summary = run.data.metrics, run.data.tags, summary_of(run)
+    ui = settings.mlflow_ui_url()
+    print(f"MLflow run   : {run.info.run_name}  ({run.info.run_id})  status={run.info.status}  experiment={experiment}")
     print(f"Tracking URI : {tracking_uri}")
-    print(f"Open the UI  : make mlflow-ui   then  http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}")
+    print(f"MLflow UI    : make mlflow-ui   then  {run_url(ui, exp.experiment_id, run.info.run_id)}")
+    print(f"  all runs   : {experiment_url(ui, exp.experiment_id)}")
+    print(f"Airflow UI   : make airflow-up  then  {airflow_run_url(dag_run.dag_id, dag_run.run_id)}  (task logs, link to MLflow)")
     print(f"Checkpoint   : {tags.get('checkpoint.uri', '(not uploaded)')}")
-    if "eval/accuracy" in m:
-        print(f"Evaluation   : accuracy {m['eval/accuracy']:.4f}, loss {m['eval/loss']:.4f}")
+    figures = [f"{k.removeprefix('eval/')} {m[k]:.4f}" for k in ("eval/accuracy", "eval/r2", "eval/rmse", "eval/loss")
+               if k in m]
+    if figures:
+        print(f"Evaluation   : {', '.join(figures)}")
     if "train/loss" in m:
         print(f"Training     : last train/loss {m['train/loss']:.4f}, perf/samples_per_s {m.get('perf/samples_per_s', 0):.0f}, "
               f"comm/s_per_step {1000 * m.get('comm/s_per_step', 0):.2f} ms")
     if conf.get("target_metric", "none") != "none":
         best = max((x.value for x in client.get_metric_history(run.info.run_id, conf["target_metric"])), default=None)
-        reached = (f"reached at step {m['steps_to_target']:.0f}, {m['time_to_target_s']:.1f}s after training started"
-                   if "time_to_target_s" in m else "not reached" + (f" (best {best:.4f})" if best is not None else ""))
+        reached = (f"reached at step {summary['steps_to_target']:.0f}, {summary['time_to_target_s']:.1f}s after "
+                   "training started" if "time_to_target_s" in summary
+                   else "not reached" + (f" (best {best:.4f})" if best is not None else ""))
         print(f"Target       : {conf['target_metric']} {conf['target_value']} {reached}")
     if "startup/total_s" in m:
         phases = ", ".join(f"{k[len('startup/'):-2]} {v:.1f}s" for k, v in m.items()
                            if k.startswith("startup/") and k != "startup/total_s" and v >= 0.05)
         print(f"Start-up     : rank 0 at its first step {m['startup/total_s']:.1f}s after its process started ({phases})")
-    if "pipeline/torchrun_wall_s" in m:
-        print(f"Timing       : torchrun {m['pipeline/torchrun_wall_s']:.1f}s, DAG {m.get('pipeline/dag_wall_s', 0):.1f}s, "
-              f"orchestration overhead {m.get('pipeline/orchestration_overhead_s', 0):.1f}s")
+    if "torchrun_wall_s" in summary:
+        print(f"Timing       : torchrun {summary['torchrun_wall_s']:.1f}s, DAG {summary.get('dag_wall_s', 0):.1f}s, "
+              f"orchestration overhead {summary.get('orchestration_overhead_s', 0):.1f}s")
+    if "failure.reason" in tags:
+        print(f"Failed       : {tags.get('failure.task', '?')}: {tags['failure.reason']}")
     print("=" * 78)
     return 0 if state.endswith("success") else 1
 

@@ -27,6 +27,7 @@ os.environ.update(
     MLFLOW_TRACKING_URI=f"sqlite:///{_TMP / 'mlflow' / 'mlflow.db'}",
     TRAINING_VAR_DIR=str(_TMP / "var"),
     TRAINING_CACHE_DIR=str(_TMP / "cache"),  # measured peaks, data gate verdicts: per test session
+    TRAINING_DATA_CACHE=str(_TMP / "data-cache"),  # S3 datasets' local copies (training/tables.py)
     GLOO_SOCKET_IFNAME="lo",
     GX_ANALYTICS_ENABLED="False",
     MLFLOW_ENABLE_TELEMETRY="false",
@@ -108,6 +109,23 @@ def run_torchrun(nproc: int, sets: list[str], *, env: dict[str, str] | None = No
     if popen:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def local_checkpoint(root: Path, step: int, files: dict[str, bytes], world_size: int = 2) -> Path:
+    """A checkpoint folder as the trainer leaves it in a local ``checkpoint_dir``: its files, then
+    ``manifest.json`` with each file's size and sha256 (what ``upload_checkpoint`` commits)."""
+    import json
+
+    from training.storage import MANIFEST, file_entry, new_manifest
+
+    d = root / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    manifest = new_manifest(step=step, world_size=world_size, config_hash="abc",
+                            files=[file_entry(name, d / name) for name in files])
+    (d / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return d
 
 
 def load_dag(name: str):

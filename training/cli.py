@@ -1,4 +1,4 @@
-"""`python -m training <command>`: make-data, validate, train, upload, evaluate, compare.
+"""`python -m training <command>`: make-data, describe-data, validate, train, upload, evaluate, compare, bench.
 
 Exit codes other tools script against:
   0  success
@@ -13,10 +13,11 @@ import argparse
 import json
 import sys
 
-from training.config import ConfigError, TrainConfig, choices
-from training.fields import help_lines
+from training.config import MODEL_KIND, ConfigError, TrainConfig, choices
+from training.fields import help_lines, specs
 
 EXIT_BAD_INPUT = 2
+DATA_FIELDS = ("label_column", "feature_columns", "task", "validation_fraction", "split_seed")
 
 
 def _cmd_make_data(a: argparse.Namespace) -> int:
@@ -34,11 +35,19 @@ def _cmd_make_data(a: argparse.Namespace) -> int:
     return 0
 
 
+def _data_options(a: argparse.Namespace):
+    """The data fields given on the command line, checked as the trainer checks them."""
+    from training.tables import DataOptions
+
+    cfg = TrainConfig(dataset_uri=a.dataset_uri, **{f: getattr(a, f) for f in DATA_FIELDS})
+    return DataOptions.of(cfg)
+
+
 def _cmd_validate(a: argparse.Namespace) -> int:
     from training.validation import DataValidationError, validate
 
     try:
-        report = validate(a.dataset_uri, min_rows=a.min_rows, docs_dir=a.docs_dir)
+        report = validate(a.dataset_uri, options=_data_options(a), min_rows=a.min_rows, docs_dir=a.docs_dir)
     except DataValidationError as e:
         print(str(e), file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -46,10 +55,41 @@ def _cmd_validate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_describe_data(a: argparse.Namespace) -> int:
+    """Write a dataset.json from what the data holds: the description and the schema as the gate
+    would infer it, to read, tighten and keep (with it, the gate checks both splits against it)."""
+    from pathlib import Path
+
+    from training.data import Dataset
+    from training.schema import pinned_meta
+    from training.tables import META_FILE, discover
+
+    layout = discover(a.dataset_uri)
+    if a.out is None and a.dataset_uri.startswith("s3://"):
+        raise ConfigError("--out", "is needed for an s3:// dataset", f"write it locally, then upload it as {META_FILE}")
+    out = Path(a.out) if a.out else Path(a.dataset_uri) / META_FILE
+    if out.exists() and not a.force:
+        raise ConfigError("--out", f"{out} exists", "pass --force to replace it, or --out another file")
+    # Describe the data itself, not the dataset.json it may already have.
+    layout.meta = None
+    ds = Dataset(layout.require(), _data_options(a))
+    meta = pinned_meta(ds.meta, ds.gate_schema(), summary={**layout.summary(ds.options), "fingerprint": ds.fingerprint,
+                       "rows": {s: ds.table(s).num_rows for s in ("train", "validation")}}, columns=ds.train_profile())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(meta, indent=2) + "\n")
+    print(json.dumps({"wrote": str(out), "task": meta["task"], "task_reason": meta["task_reason"],
+                      "label": meta["label"], "features": len(meta["features"]), **meta["described_from"]["rows"]}))
+    return 0
+
+
 def _cmd_train(a: argparse.Namespace) -> int:
     from training.config import load_train_config
 
     cfg = load_train_config(a.config, a.set)
+    if a.check_access:
+        from training.storage import check_writable
+
+        check_writable(cfg.checkpoint_dir, field="checkpoint_dir")
     if a.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
@@ -74,7 +114,8 @@ def _cmd_upload(a: argparse.Namespace) -> int:
 def _cmd_evaluate(a: argparse.Namespace) -> int:
     from training.evaluate import run
 
-    print(json.dumps(run(store_uri=a.store_uri, experiment=a.experiment, run_id=a.run_id, dataset_uri=a.dataset_uri)))
+    print(json.dumps(run(store_uri=a.store_uri, experiment=a.experiment, run_id=a.run_id, dataset_uri=a.dataset_uri,
+                         options=_data_options(a))))
     return 0
 
 
@@ -115,20 +156,40 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed of the generator (teacher network, chain, split)")
     s.set_defaults(fn=_cmd_make_data)
 
+    fields = specs(TrainConfig)
+
+    def data_options(s: argparse.ArgumentParser) -> None:
+        """--label-column, --feature-columns, --task, --validation-fraction, --split-seed, as in TrainConfig."""
+        for name in DATA_FIELDS:
+            spec = fields[name]
+            kind = {"number": float, "integer": int}.get(spec.kind, str)
+            s.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=spec.default,
+                           choices=spec.choices, help=f"{spec.help} (default {spec.default})".replace("%", "%%"))
+
+    s = sub.add_parser("describe-data", help="write a dataset.json from the data (description and schema, to pin)",
+                       description=_cmd_describe_data.__doc__)
+    s.add_argument("dataset_uri", help="dataset folder, Parquet file or s3://bucket/prefix")
+    s.add_argument("--out", help="where to write it (default: DATASET_URI/dataset.json)")
+    s.add_argument("--force", action="store_true", help="replace an existing file")
+    data_options(s)
+    s.set_defaults(fn=_cmd_describe_data)
+
     s = sub.add_parser("validate", help="run the Great Expectations data gate on a dataset")
-    s.add_argument("--dataset-uri", required=True, help="dataset folder")
+    s.add_argument("--dataset-uri", required=True, help="dataset folder, Parquet file or s3://bucket/prefix")
+    data_options(s)
     s.add_argument("--min-rows", type=int, default=None,
                    help="fewest rows a split may have (default: the dataset schema's min_rows, 100 unless set)")
     s.add_argument("--docs-dir", default=None, help="also build Great Expectations Data Docs (HTML) in this folder")
     s.set_defaults(fn=_cmd_validate)
 
-    fields = help_lines(TrainConfig)
     s = sub.add_parser("train", help="train (run under torchrun for several ranks)",
-                       description=f"Config fields (--set key=value):\n{fields}",
+                       description=f"Config fields (--set key=value):\n{help_lines(TrainConfig)}",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--config", help="JSON file with config fields")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config field")
     s.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    s.add_argument("--check-access", action="store_true",
+                   help="first list and write checkpoint_dir once: a missing bucket or refused access exits 2")
     s.set_defaults(fn=_cmd_train)
 
     def store_location(s: argparse.ArgumentParser) -> None:
@@ -136,14 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--experiment", required=True, help="experiment name (first key part)")
         s.add_argument("--run-id", required=True, help="MLflow run id (second key part)")
 
-    s = sub.add_parser("upload", help="commit a local checkpoint folder to the store (manifest last)")
-    s.add_argument("--checkpoint", required=True, help="local step_XXXXXXXX folder with a COMPLETE marker")
+    s = sub.add_parser("upload", help="commit a local checkpoint folder to the store (manifest, then latest)")
+    s.add_argument("--checkpoint", required=True, help="local step_XXXXXXXX folder with its manifest.json")
     store_location(s)
     s.set_defaults(fn=_cmd_upload)
 
     s = sub.add_parser("evaluate", help="fetch, verify and score the run's latest checkpoint")
     store_location(s)
-    s.add_argument("--dataset-uri", required=True, help="dataset folder (its validation split is scored)")
+    s.add_argument("--dataset-uri", required=True, help="dataset (its validation split is scored)")
+    data_options(s)
     s.set_defaults(fn=_cmd_evaluate)
 
     s = sub.add_parser("compare", help="comparison report (table + plots) of MLflow runs",
@@ -160,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the comparison report (report.md/html, plots) as artifacts under comparison/.")
     s.add_argument("--dataset-uri", required=True, help="dataset folder (its kind must match --model)")
     s.add_argument("--experiment", default="training_benchmark", help="MLflow experiment (default training_benchmark)")
-    s.add_argument("--model", default="mlp", choices=choices(TrainConfig, "model"), help="model family")
+    s.add_argument("--model", default="mlp",
+                   help=f"a built-in family ({', '.join(MODEL_KIND)}) or a factory package.module:function")
     s.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="world sizes (ranks on this machine)")
     s.add_argument("--strategies", nargs="+", default=["ddp"], choices=choices(TrainConfig, "strategy"))
     s.add_argument("--precisions", nargs="+", default=["fp32"], choices=choices(TrainConfig, "precision"))

@@ -12,7 +12,7 @@ Writes into ``--out``:
   per-rank throughput at N ranks over the per-rank throughput at 1 rank of the same configuration;
 - ``step_time.png``: each run's step split into compute and communication;
 - ``loss.png``: ``train/loss`` curves overlaid;
-- ``time_to_target.png``: when runs logged ``time_to_target_s``.
+- ``time_to_target.png``: when runs recorded ``time_to_target_s`` (in their run summary).
 
 Throughput and communication are the median over the run's logged intervals (robust to the
 first, warm-up interval); evaluation figures are the last logged values.
@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# (metric, column title, how a run's history becomes one number)
+from training.tracking import summary_of
+
+# (metric, column title, how a run's history becomes one number; "summary": a one-off figure of the
+# run summary, training.tracking.summary_of)
 KEY_METRICS = [
     ("perf/samples_per_s", "samples/s", "median"),
     ("perf/step_s", "step (ms)", "median"),
@@ -35,7 +38,7 @@ KEY_METRICS = [
     ("comm/exposed_fraction", "exposed comm", "median"),
     ("eval/accuracy", "eval accuracy", "last"),
     ("eval/loss", "eval loss", "last"),
-    ("time_to_target_s", "time to target (s)", "last"),
+    ("time_to_target_s", "time to target (s)", "summary"),
 ]
 MS_METRICS = {"perf/step_s", "comm/s_per_step"}
 # Params that differ between any two runs by construction (paths keyed by run id, hashes of
@@ -114,14 +117,18 @@ def summarize(client, runs) -> list[RunSummary]:
     for run in runs:
         rid = run.info.run_id
         figures: dict[str, float | None] = {}
+        summary = summary_of(run)
         for name, _, how in KEY_METRICS:
+            if how == "summary":
+                figures[name] = summary.get(name)
+                continue
             if name not in run.data.metrics:
                 figures[name] = None
                 continue
             history = sorted(client.get_metric_history(rid, name), key=lambda m: (m.step, m.timestamp))
             figures[name] = _reduce([m.value for m in history], how)
         loss = sorted(client.get_metric_history(rid, "train/loss"), key=lambda m: m.step)
-        wall = run.data.metrics.get("pipeline/dag_wall_s")
+        wall = summary.get("dag_wall_s")
         if wall is None and run.info.end_time:
             wall = (run.info.end_time - run.info.start_time) / 1000
         out.append(RunSummary(run_id=rid, name=run.info.run_name or rid, status=run.info.status,

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from training.models import shard_units
 from training.util import free_port
 
 
@@ -262,19 +263,14 @@ HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compre
          "bf16": default_hooks.bf16_compress_hook}
 
 
-def _shard_units(model: nn.Module) -> list[nn.Module]:
-    """The sub-modules FSDP2 shards one by one: transformer blocks; else each conv/linear layer."""
-    if hasattr(model, "blocks"):
-        return list(model.blocks)
-    return [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
-
-
 def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommTimer]:
     """Wrap ``model`` for ``cfg.strategy``; returns the wrapped model and its comm timer.
 
     ddp: DistributedDataParallel with bucketed all-reduce overlapped with backward, gradients as
     views into the buckets (no extra copy), and the chosen (timed) comm hook.
-    fsdp: FSDP2 ``fully_shard`` on every unit from ``_shard_units`` and then the root; with
+    fsdp: FSDP2 ``fully_shard`` on every unit from ``models.shard_units`` (the model's
+    ``fsdp_units``: transformer blocks, the built-ins' linear/conv layers, a user's list; else each
+    direct child holding parameters) and then the root; with
     precision=bf16 parameters are all-gathered and computed in bf16, gradients reduced in fp32.
     """
     model = model.to(info.device)
@@ -292,7 +288,7 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16" else MixedPrecisionPolicy()
-        units = [*_shard_units(model), model]
+        units = [*shard_units(model), model]
         for unit in units:
             fully_shard(unit, mp_policy=mp)
         timer.timed = info.device.type == "cpu"  # see CommTimer: CUDA streams are not timed

@@ -4,8 +4,14 @@ over the ranks) and after it, from a checkpoint in the store (``run``):
     python -m training evaluate --store-uri file:///tmp/store --experiment demo --run-id RUN \
         --dataset-uri var/data/teacher
 
+Classification (and tokens): ``eval/loss`` (mean cross-entropy) and ``eval/accuracy``.
+Regression: ``eval/loss`` (mean squared error over the train label's variance, as in training),
+``eval/rmse`` (in the label's units) and ``eval/r2`` (1 - squared error / the validation label's
+squared deviation from its own mean).
+
 After training the model is rebuilt from ``model.safetensors`` + ``model_config.json`` (no
-pickle), after every file of the checkpoint was checked against its manifest's sha256.
+pickle; a factory model imports its module), after every file of the checkpoint was checked
+against its manifest's sha256, and scored on the validation rows the model spec's columns name.
 """
 
 from __future__ import annotations
@@ -16,23 +22,24 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from training import checkpoint, distributed, metrics, precision, storage
-from training.data import load_split
-from training.datasets import read_meta
+from training import checkpoint, distributed, metrics, precision, reports, storage
+from training.data import Dataset, open_dataset
 from training.log import logger
-from training.models import loss_fn, split_batch
+from training.models import loss_fn, split_batch, target_variance
+from training.tables import DataOptions
 
 
 @torch.no_grad()
 def score(model: torch.nn.Module, kind: str, features: torch.Tensor, labels: torch.Tensor | None,
           batch: int = 2048, *, device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1,
-          autocast=contextlib.nullcontext) -> dict[str, float]:
-    """Mean cross-entropy and accuracy; for tokens, per predicted token (next-token accuracy).
+          autocast=contextlib.nullcontext, task: str = "classification", target_var: float = 1.0) -> dict[str, float]:
+    """Classification: mean cross-entropy and accuracy (for tokens per predicted token);
+    regression: loss, RMSE and R² (see the module docstring).
 
     With ``world_size`` > 1 (a process group is up) rank ``rank`` scores a contiguous
     1/world of the rows and the sums are all-reduced, so every rank gets the same figures. Every
@@ -43,7 +50,8 @@ def score(model: torch.nn.Module, kind: str, features: torch.Tensor, labels: tor
     n_batches = math.ceil(max(b - a for a, b in zip(bounds, bounds[1:])) / batch)
     was_training = model.training
     model.eval()
-    loss_sum, correct, count = 0.0, 0.0, 0.0
+    # classification: loss, correct, count; regression: squared error, count, sum y, sum y^2
+    sums = torch.zeros(4, dtype=torch.float64)
     try:
         for b in range(n_batches):
             s, e = min(hi, lo + b * batch), min(hi, lo + (b + 1) * batch)
@@ -53,16 +61,37 @@ def score(model: torch.nn.Module, kind: str, features: torch.Tensor, labels: tor
                 logits = model(inputs)
             if target.numel() == 0:  # this rank's share ran out; the forward still ran (FSDP)
                 continue
-            loss_sum += float(loss_fn(logits, target)) * target.numel()
-            correct += float((logits.argmax(dim=-1) == target).sum())
-            count += target.numel()
+            if task == "regression":
+                y = target.double()
+                sums += torch.tensor([float(((logits.double().reshape(-1) - y) ** 2).sum()), target.numel(),
+                                      float(y.sum()), float((y * y).sum())], dtype=torch.float64)
+            else:
+                sums += torch.tensor([float(loss_fn(logits, target)) * target.numel(),
+                                      float((logits.argmax(dim=-1) == target).sum()), target.numel(), 0.0],
+                                     dtype=torch.float64)
     finally:
         model.train(was_training)
     if world_size > 1:
-        sums = torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=device)
+        sums = sums.to(device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        loss_sum, correct, count = sums.tolist()
-    return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+    a, b, c, d = sums.tolist()
+    if task == "regression":
+        spread = d - c * c / b  # the validation label's squared deviation from its mean
+        return {"eval/loss": a / b / target_var, "eval/rmse": math.sqrt(a / b),
+                "eval/r2": 1.0 - a / spread if spread > 0 else float("nan")}
+    return {"eval/loss": a / c, "eval/accuracy": b / c}
+
+
+def score_spec(model: torch.nn.Module, spec: dict[str, Any], split, **kwargs: Any) -> dict[str, float]:
+    """``score`` a model on a split (training.data.Split), as its spec says (kind, task, target)."""
+    labels = torch.from_numpy(split.labels) if split.labels is not None else None
+    return score(model, spec["kind"], torch.from_numpy(split.features), labels, task=spec.get("task", "classification"),
+                 target_var=target_variance(spec), **kwargs)
+
+
+def summary_line(res: dict[str, float]) -> str:
+    """``loss 0.41 | accuracy 0.83`` (or rmse/r2): the figures of one evaluation."""
+    return " | ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in res.items())
 
 
 class Evaluator:
@@ -72,16 +101,15 @@ class Evaluator:
     attempt started training, as MLPerf counts time-to-train: evaluation included). The time it
     takes is not training time: it is handed to ``telemetry.not_training``."""
 
-    def __init__(self, cfg, info: distributed.DistInfo, model: torch.nn.Module, kind: str, *, metrics_log,
-                 clock: metrics.RunClock | None, telemetry, phase) -> None:
-        self.cfg, self.info, self.kind = cfg, info, kind
+    def __init__(self, cfg, info: distributed.DistInfo, model: torch.nn.Module, spec: dict[str, Any],
+                 dataset: Dataset, *, metrics_log, clock: metrics.RunClock | None, telemetry, phase) -> None:
+        self.cfg, self.info, self.spec = cfg, info, spec
         self.every = cfg.eval_every
         self.model = distributed.for_evaluation(model)
         self.metrics_log, self.clock, self.telemetry, self.phase = metrics_log, clock, telemetry, phase
+        self.on_eval: list[Callable[[int, dict[str, float]], None]] = []  # every rank, after each evaluation
         if self.every:
-            val = load_split(cfg.dataset_uri, "validation")
-            self.features = torch.from_numpy(val.features)
-            self.labels = torch.from_numpy(val.labels) if val.labels is not None else None
+            self.validation = dataset.split("validation", spec)
 
     def maybe_eval(self, step: int) -> None:
         if not self.every or step % self.every:
@@ -93,27 +121,31 @@ class Evaluator:
 
     def _evaluate(self, step: int) -> None:
         cfg, info = self.cfg, self.info
-        res = score(self.model, self.kind, self.features, self.labels, max(256, cfg.batch_size), device=info.device,
-                    rank=info.rank, world_size=info.world_size,
-                    autocast=lambda: precision.autocast(cfg.precision, cfg.strategy, info.device))
+        res = score_spec(self.model, self.spec, self.validation, batch=max(256, cfg.batch_size), device=info.device,
+                         rank=info.rank, world_size=info.world_size,
+                         autocast=lambda: precision.autocast(cfg.precision, cfg.strategy, info.device))
+        for hook in self.on_eval:
+            hook(step, res)
         if not info.is_main:
             return
         self.metrics_log.log_metrics(res, step=step)
-        logger.info(f"eval step {step}: loss {res['eval/loss']:.4f} | accuracy {res['eval/accuracy']:.4f}")
+        logger.info(f"eval step {step}: {summary_line(res)}")
         if cfg.has_target and self.clock.target() is None and metrics.target_reached(
                 cfg.target_metric, res[cfg.target_metric], cfg.target_value):
             hit = self.clock.reach_target(step, time.time())
-            self.metrics_log.log_metrics(hit, step=step)
+            self.telemetry.mlflow.log_summary(hit)  # one-off figures: the run summary, not a series
             logger.info(f"target {cfg.target_metric} {cfg.target_value} reached at step {step} after "
                         f"{hit['time_to_target_s']:.1f}s")
 
 
 def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_dir: str | None = None,
-        keep_model_in: str | None = None, store_env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Score the run's latest verified checkpoint; ``keep_model_in`` also keeps its verified
-    ``model.safetensors`` + ``model_config.json`` there (for the model registry)."""
-    meta = read_meta(dataset_uri)
-    val = load_split(dataset_uri, "validation")
+        keep_model_in: str | None = None, store_env: Mapping[str, str] | None = None,
+        options: DataOptions | None = None) -> dict[str, Any]:
+    """Score the run's latest verified checkpoint on the validation split; ``keep_model_in`` also
+    keeps its verified ``model.safetensors`` + ``model_config.json`` there (for the model
+    registry). ``store_env``: S3 settings, for the store and an ``s3://`` dataset alike;
+    ``options``: the run's label, features and split (DataOptions)."""
+    dataset = open_dataset(dataset_uri, options, env=store_env)
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         local, manifest, warnings = storage.fetch_checkpoint(store_uri, experiment=experiment, run_id=run_id, dest=tmp,
                                                              env=store_env)
@@ -124,12 +156,14 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
             Path(keep_model_in).mkdir(parents=True, exist_ok=True)
             for name in (checkpoint.MODEL_FILE, checkpoint.MODEL_CONFIG_FILE):
                 shutil.copyfile(local / name, Path(keep_model_in) / name)
-    if spec["features"] != meta["features"]:
-        raise ValueError(f"model was trained on features {spec['features']} but the dataset has {meta['features']}")
+    val = _validation_for(dataset, spec)
+    figures = score_spec(model, spec, val)
+    meta = dataset.layout.meta or {}
     labels = torch.from_numpy(val.labels) if val.labels is not None else None
-    metrics = score(model, meta["kind"], torch.from_numpy(val.features), labels)
     return {
-        **metrics,
+        **figures,
+        "task": spec.get("task", "classification"),
+        "report": reports.evaluation_report(spec, model, torch.from_numpy(val.features), labels),  # training/reports.py
         "step": manifest["step"],
         "checkpoint_step_dir": local.name,
         "bayes_accuracy": meta.get("bayes_accuracy"),
@@ -140,22 +174,27 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
     }
 
 
-def score_folder(model_dir: str | Path, dataset_uri: str) -> dict[str, float]:
+def _validation_for(dataset: Dataset, spec: dict[str, Any]):
+    """The validation rows as the model reads them; a model of other columns is refused."""
+    columns = set(dataset.table("validation").column_names)
+    missing = [c for c in spec["features"] if c not in columns]
+    if missing:
+        raise ValueError(f"model was trained on features {spec['features']} but the dataset lacks {missing}")
+    return dataset.split("validation", spec)
+
+
+def score_folder(model_dir: str | Path, dataset: str | Dataset, options: DataOptions | None = None) -> dict[str, float]:
     """Score an exported model folder (``model.safetensors`` + ``model_config.json``) on the
-    validation split of ``dataset_uri``: how the registry compares a champion on new data."""
-    meta = read_meta(dataset_uri)
+    validation split of a dataset: how the registry compares a champion on new data."""
+    ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, options)
     model, spec = checkpoint.load_exported(model_dir)
-    if spec["features"] != meta["features"]:
-        raise ValueError(f"model was trained on features {spec['features']} but the dataset has {meta['features']}")
-    val = load_split(dataset_uri, "validation")
-    labels = torch.from_numpy(val.labels) if val.labels is not None else None
-    return score(model, meta["kind"], torch.from_numpy(val.features), labels)
+    return score_spec(model, spec, _validation_for(ds, spec))
 
 
-def example_inputs(dataset_uri: str, n: int = 5):
+def example_inputs(dataset: str | Dataset, n: int = 5, options: DataOptions | None = None):
     """Model inputs for the first ``n`` validation rows (numpy): the logged model's input example."""
-    meta = read_meta(dataset_uri)
-    val = load_split(dataset_uri, "validation")
-    labels = torch.from_numpy(val.labels[:n]) if val.labels is not None else None
-    inputs, _ = split_batch(meta["kind"], torch.from_numpy(val.features[:n]), labels)
+    ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, options)
+    val = ds.split("validation", limit=n)
+    labels = torch.from_numpy(val.labels) if val.labels is not None else None
+    inputs, _ = split_batch(ds.meta["kind"], torch.from_numpy(val.features), labels)
     return inputs.numpy()

@@ -13,7 +13,7 @@ an optional value), the knob its default, title, help text and limits. From that
 - ``help_lines`` and ``markdown_table``: the CLI's ``--help`` and the tables in the docs.
 
 Supported types: ``int``, ``float``, ``bool``, ``str``, ``Literal[...]`` of strings,
-``X | None`` of those, and ``dict[str, str]``. This module imports nothing heavy (no torch, no
+``X | None`` of those, ``dict[str, str]`` and ``dict[str, Any]`` (any JSON object, passed through). This module imports nothing heavy (no torch, no
 Airflow): the pods, the CLI and the DAG parser all read it.
 """
 
@@ -41,19 +41,22 @@ class ConfigError(ValueError):
 
 def knob(default: Any, help: str, *, title: str | None = None, minimum: float | None = None,
          maximum: float | None = None, exclusive_minimum: float | None = None, pattern: str | None = None,
-         section: str | None = None, form: bool = True, tag: bool = False, schema: dict[str, Any] | None = None) -> Any:
+         section: str | None = None, form: bool = True, tag: bool = False, per_run: bool = False,
+         schema: dict[str, Any] | None = None) -> Any:
     """Declare one configuration field.
 
     ``help``: one line on what it does (the CLI, the form's description and the docs show it).
     ``section``: the trigger form section it goes into (None: the main section).
     ``form``: False for fields the pipeline sets itself (paths of one run), never asked of a user.
     ``tag``: also an MLflow run tag on every run, so MLflow's compare view lines runs up by it.
+    ``per_run``: a value of one run (a path keyed by the run, a hash), not a choice: an MLflow tag,
+    never a param, so comparing runs shows what people chose and not what differs by construction.
     ``schema``: further JSON-schema keywords for the form only (``maxLength``, ``propertyNames``...);
     the config's own ``check_*`` rules enforce the same where it matters.
     """
     meta = {"help": help, "title": title, "minimum": minimum, "maximum": maximum,
             "exclusive_minimum": exclusive_minimum, "pattern": pattern, "section": section, "form": form, "tag": tag,
-            "schema": schema or {}}
+            "per_run": per_run, "schema": schema or {}}
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -64,7 +67,7 @@ class Spec:
     """What a declared field allows, resolved from its annotation and its knob."""
 
     name: str
-    kind: str  # JSON-schema type: integer, number, boolean, string, object
+    kind: str  # JSON-schema type: integer, number, boolean, string, object; json: an object of any JSON values
     optional: bool
     choices: tuple[str, ...] | None
     default: Any
@@ -77,12 +80,13 @@ class Spec:
     section: str | None
     form: bool
     tag: bool
+    per_run: bool
     schema: dict[str, Any]
 
 
 _KINDS = {int: "integer", float: "number", bool: "boolean", str: "string"}
 _ARTICLE = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string",
-            "object": "a JSON object of strings"}
+            "object": "a JSON object of strings", "json": "a JSON object"}
 
 
 def _resolve(hint: Any) -> tuple[str, bool, tuple[str, ...] | None]:
@@ -96,7 +100,8 @@ def _resolve(hint: Any) -> tuple[str, bool, tuple[str, ...] | None]:
     if get_origin(hint) is Literal:
         return "string", optional, tuple(get_args(hint))
     if get_origin(hint) is dict or hint is dict:
-        return "object", optional, None
+        value = (get_args(hint) or (str, str))[1]
+        return ("json" if value is Any else "object"), optional, None
     if hint in _KINDS:
         return _KINDS[hint], optional, None
     raise TypeError(f"unsupported field type {hint!r}")
@@ -117,7 +122,7 @@ def specs(cls: type) -> dict[str, Spec]:
                            help=m["help"], title=m["title"] or f.name.replace("_", " ").capitalize(),
                            minimum=m["minimum"], maximum=m["maximum"], exclusive_minimum=m["exclusive_minimum"],
                            pattern=m["pattern"], section=m["section"], form=m["form"], tag=m["tag"],
-                           schema=m["schema"])
+                           per_run=m["per_run"], schema=m["schema"])
     return out
 
 
@@ -127,6 +132,14 @@ def choices(cls: type, name: str) -> list[str]:
     if found is None:
         raise TypeError(f"{cls.__name__}.{name} has no fixed choices")
     return list(found)
+
+
+def mlflow_record(obj: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(params, tags) of a knob-declared dataclass instance for MLflow: per-run fields are tags."""
+    params, tags = {}, {}
+    for name, spec in specs(type(obj)).items():
+        (tags if spec.per_run else params)[name] = getattr(obj, name)
+    return params, tags
 
 
 # --------------------------------------------------------------------------- checking
@@ -144,6 +157,7 @@ def check_value(spec: Spec, value: Any) -> None:
           "boolean": isinstance(value, bool),
           "string": isinstance(value, str),
           "object": isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()),
+          "json": isinstance(value, dict) and all(isinstance(k, str) for k in value) and _is_json(value),
           }[kind]
     if kind == "number" and ok and not math.isfinite(value):
         ok = False
@@ -157,6 +171,14 @@ def check_value(spec: Spec, value: Any) -> None:
         low, high, excl = spec.minimum, spec.maximum, spec.exclusive_minimum
         if (low is not None and value < low) or (high is not None and value > high) or (excl is not None and value <= excl):
             raise ConfigError(name, f"{value!r} is out of range", f"set {name} to {_ARTICLE[kind]}{_range(spec)}")
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _num(v: float) -> str:
@@ -198,7 +220,7 @@ def parse_value(spec: Spec, raw: str) -> Any:
             if raw.lower() not in _TRUE + _FALSE:
                 raise ValueError(raw)
             return raw.lower() in _TRUE
-        if spec.kind == "object":
+        if spec.kind in ("object", "json"):
             value = json.loads(raw)
             if not isinstance(value, dict):
                 raise ValueError(raw)
@@ -215,7 +237,7 @@ def format_value(spec: Spec, value: Any) -> str:
         return ""
     if spec.kind == "boolean":
         return "true" if value else "false"
-    if spec.kind == "object":
+    if spec.kind in ("object", "json"):
         return json.dumps(value, sort_keys=True)
     if spec.kind == "number":
         return repr(float(value))
@@ -253,7 +275,8 @@ def set_args(cls: type, values: dict[str, Any]) -> list[str]:
 
 def json_schema(spec: Spec) -> dict[str, Any]:
     """The field's JSON schema (an Airflow ``Param``'s keywords, without the default)."""
-    schema: dict[str, Any] = {"type": [spec.kind, "null"] if spec.optional else spec.kind, "title": spec.title,
+    kind = "object" if spec.kind == "json" else spec.kind
+    schema: dict[str, Any] = {"type": [kind, "null"] if spec.optional else kind, "title": spec.title,
                               "description": spec.help}
     if spec.choices is not None:
         schema["enum"] = [*spec.choices, *([None] if spec.optional else [])]
@@ -270,6 +293,10 @@ def json_schema(spec: Spec) -> dict[str, Any]:
 def _allowed(spec: Spec) -> str:
     if spec.choices is not None:
         return " | ".join(spec.choices)
+    if spec.kind == "json":
+        return "JSON object"
+    if spec.schema.get("examples"):
+        return f"{spec.kind}, e.g. {', '.join(map(str, spec.schema['examples']))}"
     bounds = _range(spec).strip()
     return f"{spec.kind} {bounds}".strip()
 

@@ -7,7 +7,9 @@ many ranks run and tests can parse them.
     logger.info("step 10/300 | ...")   # printed by rank 0 only, once ``init(rank)`` ran
 
 Until ``init`` runs (a library call outside the trainer) records go wherever the process's
-logging is configured, like any library's.
+logging is configured, like any library's. With a ``folder``, rank 0 also appends every line to
+``<folder>/train.log`` (all attempts of a run, each line with its time): the run's train log, which
+the trainer logs to MLflow.
 """
 
 from __future__ import annotations
@@ -15,16 +17,26 @@ from __future__ import annotations
 import logging
 import sys
 
+from pathlib import Path
+
 logger = logging.getLogger("training")
+LOG_FILE = "train.log"
 _stdout: logging.Handler | None = None
+_file: logging.Handler | None = None
 
 
-def init(rank: int) -> None:
-    """Send the ``training`` loggers' records to stdout, INFO on rank 0 and WARNING elsewhere."""
-    global _stdout
+def init(rank: int, folder: str | Path | None = None) -> None:
+    """Send the ``training`` loggers' records to stdout, INFO on rank 0 and WARNING elsewhere;
+    rank 0 also to ``folder/train.log`` when a folder is given."""
+    global _stdout, _file
     if _stdout is None:
         _stdout = logging.StreamHandler(sys.stdout)
         _stdout.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(_stdout)
+    if rank == 0 and folder and _file is None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        _file = logging.FileHandler(Path(folder) / LOG_FILE, encoding="utf-8")
+        _file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(_file)
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     logger.propagate = False

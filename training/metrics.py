@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from training.config import higher_is_better
 from training.log import logger
 from training.util import atomic_write, machine_cache_dir
 
@@ -225,30 +226,45 @@ class RunClock:
 
 
 def target_reached(metric: str, value: float, target: float) -> bool:
-    """Accuracy must reach the target from below, a loss from above."""
-    return value >= target if metric.endswith("accuracy") else value <= target
+    """Accuracy and R² must reach the target from below, a loss or an RMSE from above."""
+    return value >= target if higher_is_better(metric) else value <= target
 
 
-def lineage_summary(records: list[dict[str, Any]], *, start: float, end: float) -> dict[str, float]:
+def lineage_summary(records: list[dict[str, Any]], *, start: float, end: float,
+                    world_size: int = 1) -> dict[str, float]:
     """Goodput and restart losses from the per-step records of every attempt (``steps.jsonl``).
 
     The lineage is the last record of each step (the one the final model descends from). Between
     two consecutive lineage steps written by different attempts lies a restart: the gap from the
     end of the earlier step to the end of the later one, minus the later step's own time, was lost
-    (steps done again, the dead time, the restart, the checkpoint load)."""
+    (steps done again, the dead time, the restart, the checkpoint load).
+
+    Device-seconds charge each attempt its own world size (``world`` in its records, else
+    ``world_size``): an elastic run that went on with fewer ranks used fewer devices. The wall
+    time is cut at each attempt's last record; a restart's dead time goes to the attempt after it."""
     last: dict[int, dict[str, Any]] = {}
+    ends: dict[Any, tuple[float, int]] = {}  # attempt -> (its last record's time, its world size), in order
     for rec in records:
         if "step_s" in rec:
             last[rec["step"]] = rec
+            ends[rec.get("attempt")] = (rec["t"], int(rec.get("world", world_size)))
     steps = sorted(last)
     productive = sum(last[s]["step_s"] for s in steps)
-    lost = 0.0
+    lost = lost_device = 0.0
     for prev, cur in zip(steps, steps[1:]):
         a, b = last[prev], last[cur]
         if a.get("attempt") != b.get("attempt"):
-            lost += max(0.0, b["t"] - a["t"] - b["step_s"])
+            gap = max(0.0, b["t"] - a["t"] - b["step_s"])
+            lost += gap
+            lost_device += gap * int(b.get("world", world_size))
+    device, since = 0.0, start
+    for i, (t, world) in enumerate(ends.values()):
+        until = end if i == len(ends) - 1 else t
+        device += max(0.0, until - since) * world
+        since = until
     wall = max(end - start, 1e-9)
-    return {"productive_s": productive, "lost_to_restarts_s": lost, "wall_s": wall, "goodput": productive / wall}
+    return {"productive_s": productive, "lost_to_restarts_s": lost, "wall_s": wall, "goodput": productive / wall,
+            "device_s": device if ends else wall * world_size, "lost_device_s": lost_device}
 
 
 def start_system_metrics(run_id: str | None):
@@ -261,11 +277,27 @@ def start_system_metrics(run_id: str | None):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         monitor = SystemMetricsMonitor(run_id, resume_logging=True)
+        if not os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"):
+            _ramp(monitor)
         monitor.start()
         return _SystemMetrics(monitor)
     except Exception as e:  # metrics about the machine must never stop training
         logger.warning(f"system metrics: not logged ({e})")
         return None
+
+
+def _ramp(monitor, first_s: float = 1.0) -> None:
+    """Sample after 1 s, then 2, 4, 8 s and from then on at MLflow's interval (10 s): a run of
+    twenty seconds still gets several samples, a long one no more points than MLflow's default.
+    The monitor's loop reads ``sampling_interval`` before every wait."""
+    final, publish = monitor.sampling_interval, monitor.publish_metrics
+    monitor.sampling_interval = min(first_s, final)
+
+    def publish_then_slow_down(metrics):
+        publish(metrics)
+        monitor.sampling_interval = min(final, 2 * monitor.sampling_interval)
+
+    monitor.publish_metrics = publish_then_slow_down
 
 
 class _SystemMetrics:

@@ -8,6 +8,9 @@
   ``replica_check_every`` steps.
 - ``Phase``: what this rank is doing right now, so that a failure (a collective timeout says only
   "timed out") names the rank, the operation and the step.
+- ``RankRecord``: each rank's heartbeat (its last completed step, in a memory-mapped file that
+  survives a SIGKILL) and, when it fails, what it was doing; the launcher reads them to say which
+  rank died or hung and which collective its peers were waiting in.
 
 Test and drill faults that exercise all this are injected by training/faults.py.
 """
@@ -16,8 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import mmap
 import os
 import signal
+import struct
 import threading
 import time
 from pathlib import Path
@@ -29,6 +35,7 @@ import torch.distributed as dist
 from training import distributed
 from training.log import logger
 from training.telemetry import StepLog
+from training.util import atomic_write
 
 EXIT_PREEMPTED = 75
 
@@ -37,20 +44,72 @@ class Preempted(Exception):
     """SIGTERM: a checkpoint of the step in ``args[0]`` was written; run again to resume."""
 
 
+class RankRecord:
+    """``<output_dir>/ranks/``: per rank a heartbeat and, on failure, a record of what failed.
+
+    The heartbeat is 16 bytes (last completed step, its wall time) in a memory-mapped file: writing
+    it is a memory store, no system call, so it can run every step; the page cache keeps it when the
+    process is SIGKILLed. ``rank{R}.json`` is written by a rank that raised (phase, step, error).
+    A rank with a heartbeat and no record died by a signal or hung; ``read`` gives the launcher both.
+    """
+
+    BEAT = struct.Struct("<qd")
+
+    def __init__(self, output_dir: Path | None, rank: int) -> None:
+        self.rank, self._map = rank, None
+        self.folder = output_dir / "ranks" if output_dir else None
+        if self.folder is None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"rank{rank}.json").unlink(missing_ok=True)  # a record of an earlier attempt
+        path = self.folder / f"rank{rank}.beat"
+        if not path.exists() or path.stat().st_size != self.BEAT.size:  # else: an earlier attempt's last step
+            with open(path, "wb") as f:
+                f.write(self.BEAT.pack(-1, time.time()))
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), self.BEAT.size)
+
+    def beat(self, step: int) -> None:
+        if self._map is not None:
+            self.BEAT.pack_into(self._map, 0, step, time.time())
+
+    def failed(self, phase: str, step: int, error: BaseException) -> None:
+        if self.folder is not None:
+            first = next((l for l in str(error).splitlines() if l.strip()), type(error).__name__)
+            atomic_write(self.folder / f"rank{self.rank}.json", json.dumps(
+                {"rank": self.rank, "phase": phase, "step": step, "error": f"{type(error).__name__}: {first}"[:500],
+                 "time": time.time()}) + "\n")
+
+    @classmethod
+    def read(cls, output_dir: Path) -> list[dict[str, Any]]:
+        """Every rank's last completed step and failure record (None where it raised nothing)."""
+        folder = Path(output_dir) / "ranks"
+        out = []
+        for beat in sorted(folder.glob("rank*.beat"), key=lambda p: int(p.stem[4:])):
+            step, t = cls.BEAT.unpack(beat.read_bytes()[: cls.BEAT.size])
+            record = folder / f"{beat.stem}.json"
+            out.append({"rank": int(beat.stem[4:]), "last_step": step, "beat_time": t,
+                        "failure": json.loads(record.read_text()) if record.exists() else None})
+        return out
+
+
 class Phase:
     """What this rank is doing now; components set ``now`` before work that can fail or hang."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: RankRecord | None = None) -> None:
         self.now = "setup"
+        self.record = record
 
     @contextlib.contextmanager
     def names_failures(self, info: distributed.DistInfo, step: Callable[[], int]):
-        """Re-raise a failure inside as ``rank R/W: PHASE failed at step S: ...``."""
+        """Re-raise a failure inside as ``rank R/W: PHASE failed at step S: ...`` (and record it)."""
         try:
             yield
         except Preempted:
             raise
         except Exception as e:
+            if self.record is not None:
+                self.record.failed(self.now, step(), e)
             raise RuntimeError(f"rank {info.rank}/{info.world_size}: {self.now} failed at step {step()}: {e}") from e
 
 

@@ -6,11 +6,19 @@ docs/architecture.md ("Metrics"); the formulas that don't need the trainer are i
 
 Per step it does as little as it can: one record appended to a file it holds open, a few additions
 to the window; everything that needs a collective or a GPU sync waits for the end of the window.
+
+What the MLflow run shows of training: the params (what a person chose; per-run paths and hashes
+are tags), ``train_config.json`` (the resolved config), the series of each window from the second
+window of an attempt on (the first, warm-up window's throughput and communication figures would
+squash every chart: they go to the run summary as ``warmup_*``), the ``progress`` tag with an ETA
+smoothed over windows, the one-off figures as the run summary (``tracking.RunLogger.log_summary``)
+and rank 0's log as ``logs/train.log``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -20,9 +28,37 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from training import distributed, metrics
+from training import distributed, log, metrics
+from training.fields import mlflow_record
 from training.log import logger
 from training.models import flops_per_sample
+
+
+# Figures of a window that measure speed: the first window of an attempt (warm-up) leaves them out of
+# the series and records them in the run summary as warmup_<name>.
+WARMUP_KEYS = ("perf/", "comm/")
+WARMUP_SUMMARY = ("perf/step_s", "perf/samples_per_s", "comm/s_per_step", "comm/exposed_fraction")
+PROGRESS_EVERY_S = 5.0  # the progress tag is a write to the tracking store: not every window
+
+
+class EtaSmoother:
+    """Seconds per step, wall clock (evaluation and checkpoints included: they are part of what is
+    left), smoothed over log windows: an exponential moving average, seeded by the warm-up window
+    and replaced by the first steady one, so one slow window (a checkpoint, an evaluation) moves
+    the ETA by a fraction of its excess instead of multiplying it."""
+
+    def __init__(self, weight: float = 0.3) -> None:
+        self.weight = weight
+        self.per_step: float | None = None
+        self._seeded_by_warmup = False
+
+    def update(self, steps: int, seconds: float, *, first: bool = False) -> float:
+        current = seconds / max(1, steps)
+        if self.per_step is None or self._seeded_by_warmup:
+            self.per_step, self._seeded_by_warmup = current, first
+        else:
+            self.per_step += self.weight * (current - self.per_step)
+        return self.per_step
 
 
 class StepLog:
@@ -142,10 +178,13 @@ class Telemetry:
         self.system_metrics = None
         self.window: Window | None = None
         self._grad_norm: torch.Tensor | None = None
+        self.windows = 0  # closed by this attempt; the first is warm-up
+        self.eta = EtaSmoother()
+        self._progress_logged_at = -math.inf
 
     # ------------------------------------------------------------------ start and end
 
-    def start(self, resumed_from: Path | None) -> None:
+    def start(self, resumed_from: str | None) -> None:
         """Say what runs (and log the params on a fresh start), find the MFU peak, start MLflow's
         system metrics, open ``steps.jsonl`` and the first window."""
         self._announce(resumed_from)
@@ -161,25 +200,42 @@ class Telemetry:
             self.step_log.close()
         if self.system_metrics is not None:
             self.system_metrics.finish()
+        if self.info.is_main and self.out and (self.out / log.LOG_FILE).is_file():
+            try:  # also after a failure: the log up to it belongs in the run
+                self.mlflow.log_artifact(self.out / log.LOG_FILE, "logs")
+            except Exception as e:  # the record of a run must never hide the run's own error
+                logger.warning(f"train log not logged to MLflow ({e})")
 
-    def _announce(self, resumed_from: Path | None) -> None:
+    def _announce(self, resumed_from: str | None) -> None:
         cfg, info = self.cfg, self.info
         where = f"resuming from {resumed_from} (step {self.state.step})" if resumed_from else "starting from scratch"
         logger.info(f"train: {cfg.model}/{cfg.strategy}/{cfg.precision} on {info.world_size} ranks, "
                     f"backend={info.backend}, device={info.device.type}, restart {self.restarts}, {where}")
         if resumed_from is None:
-            self.mlflow.log_params({**cfg.to_dict(), "world_size": info.world_size, "backend": info.backend,
-                                    "config_hash": cfg.config_hash(), "n_params": self.n_params})
+            params, per_run = mlflow_record(cfg)
+            self.mlflow.log_params({**params, "world_size": info.world_size, "backend": info.backend,
+                                    "n_params": self.n_params})
+            self.mlflow.set_tags({**per_run, "config_hash": cfg.config_hash()})
+        self.mlflow.log_text(json.dumps(cfg.to_dict(), indent=2) + "\n", "train_config.json")
 
     def _peak_flops(self) -> float:
-        """Rank 0: the per-rank peak FLOP/s MFU divides by, logged as params (which peak, from where)."""
+        """Rank 0: the per-rank peak FLOP/s MFU divides by, logged as tags (which peak, from where)."""
         if not self.info.is_main:
             return float("nan")  # only rank 0 logs MFU
-        cache = Path(self.cfg.output_dir or self.cfg.checkpoint_dir) / "peak_flops.json"
-        peak, source = metrics.peak_flops(self.info.device, self.cfg.precision, cache)
+        folder = self.cfg.output_dir or ("" if "://" in self.cfg.checkpoint_dir else self.cfg.checkpoint_dir)
+        cache = Path(folder) / "peak_flops.json" if folder else None  # never a local path made from an s3:// URI
+        client = getattr(self.mlflow, "client", None)
+        logged = client.get_run(self.mlflow.run_id).data.tags if client is not None else {}
+        if "perf/peak_flops" in logged and not (cache and cache.exists()):
+            # A retry on another machine (an empty disk, checkpoints from the store): the run keeps
+            # the peak it was logged with, so MFU stays comparable across its attempts.
+            peak, source = float(logged["perf/peak_flops"]), logged.get("perf/peak_source", "")
+        else:
+            peak, source = metrics.peak_flops(self.info.device, self.cfg.precision, cache)
         logger.info(f"mfu: peak {peak / 1e12:.3f} TFLOP/s per rank ({source}); {self.flops_per_sample:.3g} FLOPs per sample")
-        self.mlflow.log_params({"perf/peak_flops": peak, "perf/peak_source": source,
-                                "perf/flops_per_sample": self.flops_per_sample})
+        # The peak is measured on the machine (or looked up for its GPU): a tag, not a choice.
+        self.mlflow.set_tags({"perf/peak_flops": peak, "perf/peak_source": source})
+        self.mlflow.log_params({"perf/flops_per_sample": self.flops_per_sample})
         return peak
 
     # ------------------------------------------------------------------ every step
@@ -194,7 +250,8 @@ class Telemetry:
         self.window.add(r)
         if self.step_log is not None:
             self.step_log.add({"step": step, "skipped": r.skipped, "restart": self.restarts,
-                               "step_s": r.seconds, "t": time.time(), "attempt": self.attempt}, r.loss)
+                               "step_s": r.seconds, "t": time.time(), "attempt": self.attempt,
+                               "world": self.info.world_size}, r.loss)
         if len(self.step_times) == 1:  # optimizer state exists from the first step on
             self._log_state_bytes(step)
 
@@ -206,8 +263,19 @@ class Telemetry:
         stats = self._window_stats()
         self.last_loss = stats["train/loss"]
         self.first_loss = self.last_loss if self.first_loss is None else self.first_loss
-        self.metrics_log.log_metrics(stats, step=step)
-        self._progress(step, stats)
+        self.windows += 1
+        if self.windows == 1:  # warm-up: its speed is no steady-state figure
+            self.metrics_log.log_metrics({k: v for k, v in stats.items() if not k.startswith(WARMUP_KEYS)}, step=step)
+            self.mlflow.log_summary({"warmup_steps": float(self.window.steps),
+                                     **{f"warmup_{k.split('/')[1]}": stats[k] for k in WARMUP_SUMMARY if k in stats}})
+        else:
+            self.metrics_log.log_metrics(stats, step=step)
+        eta = self.eta.update(self.window.steps, self.window.t_end - self.window.t0, first=self.windows == 1)
+        eta_s = eta * (self.cfg.steps - step)
+        self._progress(step, stats, eta_s)
+        if step == self.cfg.steps or self.window.t_end - self._progress_logged_at >= PROGRESS_EVERY_S:
+            self.mlflow.set_progress(step, self.cfg.steps, eta_s)
+            self._progress_logged_at = self.window.t_end
         for callback in self.on_window:
             callback(stats)
         self.window = self._new_window(self.window.t_end)  # logging and printing count in the next window
@@ -275,8 +343,7 @@ class Telemetry:
                 stats["comm/busbw_gbps"] = w.comm.bus_bytes / comm_s / 1e9
         return stats
 
-    def _progress(self, step: int, stats: dict[str, float]) -> None:
-        eta = (self.cfg.steps - step) * stats["perf/step_s"]
+    def _progress(self, step: int, stats: dict[str, float], eta: float) -> None:
         comm = ""
         if "comm/exposed_fraction" in stats:
             took = f"{1000 * stats['comm/s_per_step']:.2f} ms/step, " if "comm/s_per_step" in stats else ""
@@ -289,7 +356,7 @@ class Telemetry:
         """Parameters + optimizer state held by this rank."""
         nbytes = distributed.local_state_bytes(self.state.model, self.state.optimizer)
         logger.info(f"memory: {nbytes} bytes of parameters + optimizer state per rank ({self.cfg.strategy})")
-        self.mlflow.log_metrics({"mem/state_bytes_per_rank": float(nbytes)}, step=step)
+        self.mlflow.log_summary({"state_bytes_per_rank": float(nbytes)})
 
     # ------------------------------------------------------------------ the end
 
@@ -306,22 +373,22 @@ class Telemetry:
             records = StepLog.read(self.out)
         else:  # no output_dir: this attempt only
             records = [{"step": i, "step_s": s, "t": 0.0, "attempt": self.attempt} for i, s in enumerate(self.step_times)]
-        life = metrics.lineage_summary(records, start=self.clock.start, end=time.time())
-        hours = info.world_size / 3600
+        life = metrics.lineage_summary(records, start=self.clock.start, end=time.time(), world_size=info.world_size)
         peak_max = max(int(p) for p in peaks)
         summary = {
             "goodput": life["goodput"],
-            "summary/wall_s": life["wall_s"],
-            "summary/productive_s": life["productive_s"],
-            "summary/lost_to_restarts_s": life["lost_to_restarts_s"],
-            "summary/total_samples": float(step * self.cfg.batch_size),
-            "summary/device_hours": life["wall_s"] * hours,
-            "summary/device_hours_lost_to_restarts": life["lost_to_restarts_s"] * hours,
-            "mem/peak_bytes_max": float(peak_max),
-            **{f"mem/peak_bytes_rank_{r}": float(p) for r, p in enumerate(peaks)},
+            "train_wall_s": life["wall_s"],
+            "productive_s": life["productive_s"],
+            "lost_to_restarts_s": life["lost_to_restarts_s"],
+            "total_samples": float(step * self.cfg.batch_size),
+            "device_hours": life["device_s"] / 3600,
+            "device_hours_lost_to_restarts": life["lost_device_s"] / 3600,
+            "peak_mem_bytes_max": float(peak_max),
+            **{f"peak_mem_bytes_rank_{r}": float(p) for r, p in enumerate(peaks)},
         }
-        self.mlflow.log_metrics_once(summary, step=step)
+        self.mlflow.log_summary(summary)
+        self.mlflow.set_progress(step, self.cfg.steps, 0.0)
         logger.info(f"summary: goodput {summary['goodput']:.3f} | wall {life['wall_s']:.1f}s | "
-                    f"lost to restarts {life['lost_to_restarts_s']:.1f}s | {summary['summary/device_hours']:.4f} "
+                    f"lost to restarts {life['lost_to_restarts_s']:.1f}s | {summary['device_hours']:.4f} "
                     f"device-hours | peak memory {peak_max / 2**20:.0f} MiB/rank")
         return summary

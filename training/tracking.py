@@ -4,6 +4,19 @@ The run id travels as ``MLFLOW_RUN_ID`` and the store as ``MLFLOW_TRACKING_URI``
 variable names). Only rank 0 logs (``RunLogger``); every other rank, and a process started by
 hand without a run id, gets a ``NullLogger`` with the same methods.
 
+What a person sees of a run is set here too:
+
+- the experiment is a model-training experiment (``mlflow.experimentKind``), so the UI opens on
+  its runs table, and carries a shared view (``TRAINING_VIEW``: loss, evaluation and throughput
+  columns) that the URLs from ``experiment_url`` / ``run_url`` open;
+- one-off figures (wall times, goodput, peak memory, time to target) are not metrics, which the UI
+  would draw as single dots: ``log_summary`` keeps them in the ``summary.json`` artifact
+  (``read_summary``) and the headline ones as ``summary.<name>`` tags (``summary_of``);
+- ``progress``: a tag the trainer keeps current (step/total, %, smoothed ETA);
+- ``log_dataset``: the data as an MLflow dataset input (name, fingerprint, schema, rows);
+- ``describe``: the run's description (``mlflow.note.content``), the first thing its page shows:
+  the Airflow run (link and note), status and failure reason, key figures, plots, registry aliases.
+
 When the launching process already holds an MLflow client (the local backend's ``train`` task)
 it sets ``TRAINING_MLFLOW_RELAY=stdout``: rank 0 then gets a ``RelayLogger``, which writes each
 call as one line on stdout, and the launcher's ``RelayReceiver`` applies the lines to the run.
@@ -24,6 +37,27 @@ from urllib.parse import urlparse
 
 TAG_DAG_ID = "airflow.dag_id"
 TAG_DAG_RUN_ID = "airflow.dag_run_id"
+TAG_AIRFLOW_URL = "airflow.url"
+TAG_AIRFLOW_NOTE = "airflow.note"
+TAG_PROGRESS = "progress"
+TAG_NOTE = "mlflow.note.content"
+SUMMARY_PREFIX = "summary."
+SUMMARY_FILE = "summary.json"
+# One-off figures that are also tags (the runs table and compare view show tags; all are in the file).
+SUMMARY_TAGS = frozenset({"goodput", "train_wall_s", "lost_to_restarts_s", "device_hours", "peak_mem_bytes_max",
+                          "state_bytes_per_rank", "time_to_target_s", "steps_to_target", "warmup_step_s",
+                          "torchrun_wall_s", "upload_s", "dag_wall_s", "orchestration_overhead_s"})
+# MLflow 3's UI opens a "custom model development" experiment on its runs table, not on the GenAI
+# trace overview it shows for an experiment of unknown kind.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+# A view of the runs table stored in the experiment (MLflow's "share view" tags): the URLs below
+# open it, so a person lands on the runs with their loss, evaluation and throughput side by side.
+VIEW_KEY = "training"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+VIEW_COLUMNS = ("metrics.`eval/accuracy`", "metrics.`eval/loss`", "metrics.`train/loss`",
+                "metrics.`perf/samples_per_s`", "tags.`world_size`", "tags.`progress`", "attributes.`Dataset`",
+                "attributes.`Models`")
+TRAINING_VIEW = {"selectedColumns": list(VIEW_COLUMNS), "orderByKey": "attributes.start_time", "orderByAsc": False}
 
 
 def _client():
@@ -48,15 +82,29 @@ def get_or_create_experiment(name: str) -> str:
 
     client = _client()
     exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=default_artifact_location(mlflow.get_tracking_uri()))
-    except Exception:  # another process created it between our two calls
+    if exp is None:
+        try:
+            client.create_experiment(name, artifact_location=default_artifact_location(mlflow.get_tracking_uri()))
+        except Exception:  # another process created it between our two calls
+            pass
         exp = client.get_experiment_by_name(name)
         if exp is None:
-            raise
-        return exp.experiment_id
+            raise RuntimeError(f"MLflow experiment {name!r} could not be created in {mlflow.get_tracking_uri()}")
+    view = json.dumps(TRAINING_VIEW)
+    for key, value in (EXPERIMENT_KIND, (VIEW_TAG, view)):
+        if exp.tags.get(key) != value:
+            client.set_experiment_tag(exp.experiment_id, key, value)
+    return exp.experiment_id
+
+
+def experiment_url(ui: str, experiment_id: str) -> str:
+    """The experiment's runs table in the model-training view, with the ``training`` columns."""
+    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
+
+
+def run_url(ui: str, experiment_id: str, run_id: str) -> str:
+    """The run's page (its description, figures and plots first)."""
+    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 def open_run(experiment: str, *, dag_id: str, dag_run_id: str, run_name: str | None = None,
@@ -98,7 +146,9 @@ class RunLogger:
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        # JSON for objects (model_args, dict Params), so a param reads back as what was set.
+        items = [Param(k, (json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v))[:6000])
+                 for k, v in params.items()]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
@@ -129,6 +179,39 @@ class RunLogger:
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
 
+    def log_summary(self, figures: dict[str, float]) -> None:
+        """One-off figures of the run: all of them in ``summary.json`` (a later call adds to it, a
+        repeated one overwrites), the headline ones (``SUMMARY_TAGS``) also as tags ``summary.<name>``."""
+        if not figures:
+            return
+        merged = {**read_summary(self.run_id, self.client), **{k: float(v) for k, v in figures.items()}}
+        self.log_text(json.dumps(merged, indent=2, sort_keys=True) + "\n", SUMMARY_FILE)
+        tags = {SUMMARY_PREFIX + k: f"{float(v):.8g}" for k, v in figures.items() if k in SUMMARY_TAGS}
+        if tags:
+            self.set_tags(tags)
+
+    def set_progress(self, step: int, total: int, eta_s: float | None) -> None:
+        self.set_tags({TAG_PROGRESS: progress_text(step, total, eta_s)})
+
+    def log_dataset(self, name: str, *, uri: str, fingerprint: str, schema: dict[str, Any],
+                    rows: dict[str, int], context: str = "training") -> None:
+        """The data as an MLflow dataset input: the runs table's Dataset column shows its name and
+        fingerprint, the run page its schema and rows. Logged once per run (a retry adds nothing)."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = self.client.get_run(self.run_id).inputs
+        if any(d.dataset.digest == fingerprint[:32] for d in (inputs.dataset_inputs if inputs else [])):
+            return
+        types = {"float": "double", "int": "long", "bool": "boolean", "string": "string"}
+        colspec = [{"type": types.get(c.get("dtype", "float"), "string"), "name": c["name"],
+                    "required": not c.get("nullable", False)} for c in schema.get("columns", [])]
+        source = {"uri": uri} if "://" in uri else {"uri": Path(uri).resolve().as_uri()}
+        dataset = Dataset(name=name, digest=fingerprint[:32], source_type="local" if uri.startswith(("/", "file:")) else "url",
+                          source=json.dumps(source), schema=json.dumps({"mlflow_colspec": colspec}),
+                          profile=json.dumps({"fingerprint": fingerprint, "kind": schema.get("kind"),
+                                              "label": schema.get("label"), **{f"rows_{k}": v for k, v in rows.items()}}))
+        self.client.log_inputs(self.run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])])
+
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status)
 
@@ -144,6 +227,8 @@ class NullLogger:
     def set_tags(self, tags: dict[str, Any]) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
+    def log_summary(self, figures: dict[str, float]) -> None: ...
+    def set_progress(self, step: int, total: int, eta_s: float | None) -> None: ...
     def finish(self, status: str = "FINISHED") -> None: ...
 
 
@@ -242,3 +327,109 @@ def logger_for(is_main: bool) -> RunLogger | RelayLogger | NullLogger:
     if not (is_main and run_id):
         return NullLogger()
     return RelayLogger() if os.environ.get(RELAY_ENV) == "stdout" else RunLogger(run_id)
+
+
+# ------------------------------------------------------------------------------ what a person reads
+
+
+def read_summary(run_id: str, client=None) -> dict[str, float]:
+    """Every one-off figure of the run (``summary.json``); {} before the first."""
+    import tempfile
+
+    client = client or _client()
+    with tempfile.TemporaryDirectory(prefix="summary-") as tmp:
+        try:
+            return json.loads(Path(client.download_artifacts(run_id, SUMMARY_FILE, tmp)).read_text())
+        except Exception:  # no summary yet
+            return {}
+
+
+def summary_of(run) -> dict[str, float]:
+    """The run's headline one-off figures (the ``summary.<name>`` tags), by name."""
+    out = {}
+    for key, value in run.data.tags.items():
+        if key.startswith(SUMMARY_PREFIX):
+            try:
+                out[key[len(SUMMARY_PREFIX):]] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def progress_text(step: int, total: int, eta_s: float | None) -> str:
+    """``120/300 steps (40%), ETA 1m12s``; at the end ``300/300 steps (100%)``."""
+    pct = 100 * step // max(1, total)
+    eta = f", ETA {_duration(eta_s)}" if eta_s is not None and step < total else ""
+    return f"{step}/{total} steps ({pct}%){eta}"
+
+
+def _fmt_figure(value: float | None, kind: str = "") -> str:
+    if value is None:
+        return "-"
+    if kind == "ms":
+        return f"{1000 * value:.1f}"
+    if kind == "%":
+        return f"{100 * value:.1f}%"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
+
+
+def _median(client, run_id: str, key: str) -> float | None:
+    import statistics
+
+    values = [m.value for m in client.get_metric_history(run_id, key)]
+    return statistics.median(values) if values else None
+
+
+def describe(run_id: str) -> str:
+    """Write the run's description (``mlflow.note.content``, markdown) from what the run holds now,
+    and return it. Called whenever the story changes: opened, failed, registered, finished."""
+    client = _client()
+    run = client.get_run(run_id)
+    tags, metrics, summary = run.data.tags, run.data.metrics, summary_of(run)
+    lines = []
+    status = run.info.status
+    what = ", ".join(v for v in (tags.get("model"), tags.get("strategy"), tags.get("precision")) if v)
+    where = (f" on {tags['world_size']} rank{'' if tags['world_size'] == '1' else 's'}" if tags.get("world_size") else "")
+    lines.append(f"**{status}** {what}{where}" + (f" · {tags[TAG_PROGRESS]}" if tags.get(TAG_PROGRESS) else ""))
+    if "failure.reason" in tags:  # what went wrong first
+        at = f"`{tags['failure.task']}` try {tags.get('failure.try', '?')}: " if "failure.task" in tags else ""
+        label = "Failed" if status in ("FAILED", "KILLED") else "Failed, a retry follows"
+        lines.append(f"**{label}:** {at}{tags['failure.reason']}")
+    if tags.get(TAG_AIRFLOW_URL):
+        lines.append(f"**Airflow run:** [{tags.get(TAG_DAG_ID, '')} / {tags.get(TAG_DAG_RUN_ID, '')}]"
+                     f"({tags[TAG_AIRFLOW_URL]})")
+    if tags.get(TAG_AIRFLOW_NOTE):
+        lines.append("**Airflow note:** " + tags[TAG_AIRFLOW_NOTE].replace("\n", " "))
+    figures = [("eval accuracy", metrics.get("eval/accuracy"), ""), ("eval loss", metrics.get("eval/loss"), ""),
+               ("train loss", metrics.get("train/loss"), ""),
+               ("samples/s", _median(client, run_id, "perf/samples_per_s"), ""),
+               ("step (ms)", _median(client, run_id, "perf/step_s"), "ms"),
+               ("exposed comm", _median(client, run_id, "comm/exposed_fraction"), "%"),
+               ("goodput", summary.get("goodput"), "%"), ("DAG wall (s)", summary.get("dag_wall_s"), "")]
+    shown = [(name, _fmt_figure(v, kind)) for name, v, kind in figures if v is not None]
+    if shown:
+        lines.append("| " + " | ".join(n for n, _ in shown) + " |\n|" + "---|" * len(shown) + "\n| "
+                     + " | ".join(v for _, v in shown) + " |")
+    plots = [a.path for a in client.list_artifacts(run_id, "plots") if a.path.endswith(".png")]
+    if plots:  # relative to the UI's own address, so the images show wherever the UI is served
+        lines.append(" ".join(f"![{Path(p).stem}](get-artifact?path={p}&run_uuid={run_id})" for p in sorted(plots)))
+    if tags.get("registry.decision"):
+        lines.append(f"**Registry:** `{tags.get('registry.model')}` version {tags.get('registry.version')} is "
+                     f"**{tags['registry.decision']}**: {tags.get('registry.reason', '')}"
+                     + (f"\n\nAliases now: {tags['registry.aliases']}" if tags.get("registry.aliases") else ""))
+    if tags.get("data.fingerprint"):
+        rows = ", ".join(f"{v} {k.removeprefix('data.rows_')}" for k, v in sorted(tags.items()) if k.startswith("data.rows_"))
+        lines.append(f"**Data:** `{tags.get('dataset_uri', '')}` ({rows} rows), fingerprint "
+                     f"`{tags['data.fingerprint'][:16]}`, gate {tags.get('data.validation', '?')} (`data_gate.html`)")
+    note = "\n\n".join(lines) + "\n"
+    from mlflow.entities import RunTag
+
+    client.log_batch(run_id, tags=[RunTag(TAG_NOTE, note)])
+    return note

@@ -5,8 +5,11 @@ Launch it:
     # one process (a one-rank group on 127.0.0.1)
     python -m training train --set dataset_uri=var/data/teacher --set checkpoint_dir=var/ckpt
 
+    # checkpoints straight to S3 (AWS_* settings from the environment, never from arguments)
+    python -m training train --set dataset_uri=var/data/teacher --set checkpoint_dir=s3://bucket/runs/r1
+
     # two ranks on this machine (gloo on CPU, nccl on GPUs); a dead rank restarts the group,
-    # which resumes from the latest complete checkpoint
+    # which resumes from the newest checkpoint that verifies
     GLOO_SOCKET_IFNAME=lo torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29511 \
         --max-restarts 2 -m training train --config cfg.json --set strategy=fsdp --set precision=bf16
 
@@ -44,15 +47,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from training import checkpoint, distributed, faults, log, metrics, precision
+from training import checkpoint, distributed, faults, log, metrics, precision, storage
 from training.config import ConfigError, TrainConfig
-from training.data import ShardedSampler, load_split
-from training.datasets import read_meta
+from training.data import Dataset, ShardedSampler, open_dataset
 from training.evaluate import Evaluator
-from training.models import build_model, loss_fn, model_spec, split_batch
-from training.resilience import EXIT_PREEMPTED, FaultReport, Phase, Preempted, Preemption, ReplicaCheck
+from training.models import build_model, check_model, loss_fn, model_spec, split_batch, target_variance
+from training.resilience import EXIT_PREEMPTED, FaultReport, Phase, Preempted, Preemption, RankRecord, ReplicaCheck
 from training.startup import StartupClock
 from training.telemetry import StepLog, StepResult, Telemetry
+from training.tables import DataOptions
 from training.tracking import logger_for
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "StepLog", "Trainer", "lr_lambda", "run"]
@@ -76,29 +79,41 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> tuple[Dataset, dict[str, Any], Any]:
+    """The data and the model spec, checked: the dataset opened (S3 through the local cache; data
+    that changed since the gate refused), described, its train split read, the normalization
+    statistics computed once from it, and the model built and run on two rows. Raises
+    ConfigError naming the field to fix. ``dataset``: one already open (the Airflow pre-launch check)."""
+    if dataset is None:
+        dataset = open_dataset(cfg.dataset_uri, DataOptions.of(cfg), expect_fingerprint=cfg.dataset_fingerprint or None)
+    meta = dataset.meta
+    cfg.check_dataset(meta)
+    train = dataset.split("train")
+    spec = model_spec(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads, dropout=cfg.dropout,
+                      model_args=cfg.model_args, train=train)
+    check_model(spec, train.features[:2], strategy=cfg.strategy)
+    return dataset, spec, train
+
+
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Check everything that can be checked, then train. Raises ConfigError before any process
-    group exists when the config, the launch size, the hardware or the dataset don't fit."""
+    group exists when the config, the launch size, the hardware, the dataset or the model don't fit."""
     startup = StartupClock()
     startup.mark("imports")  # the interpreter's start and the imports (torch, the trainer)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.check_world_size(world)
     cfg.check_device(torch.cuda.is_available())
     if not cfg.checkpoint_dir:
-        raise ConfigError("checkpoint_dir", "is empty", "pass a folder for checkpoints")
-    try:
-        meta = read_meta(cfg.dataset_uri)
-    except FileNotFoundError as e:
-        raise ConfigError("dataset_uri", str(e), "run `python -m training make-data` or fix the path") from None
-    cfg.check_dataset(meta)
-    train = load_split(cfg.dataset_uri, "train")
+        raise ConfigError("checkpoint_dir", "is empty", "pass a folder, file:///folder or s3://bucket/prefix")
+    storage.check_writable(cfg.checkpoint_dir, field="checkpoint_dir")  # a missing bucket or denied keys: exit 2
+    dataset, spec, train = prepare(cfg)
     startup.mark("data")
 
     info = distributed.init(cfg.collective_timeout_s)
     startup.mark("process_group")  # includes waiting for the slowest rank to arrive
-    log.init(info.rank)
+    log.init(info.rank, cfg.output_dir or None)
     try:
-        return Trainer(cfg, info, meta, train, startup=startup).fit()
+        return Trainer(cfg, info, spec, train, dataset, startup=startup).fit()
     finally:
         distributed.cleanup()
 
@@ -106,13 +121,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 class Trainer:
     """Builds the model, its optimizer and the components around the loop; ``fit`` trains."""
 
-    def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, meta: dict[str, Any], train,
-                 startup: StartupClock | None = None) -> None:
-        self.cfg, self.info, self.kind = cfg, info, meta["kind"]
+    def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, spec: dict[str, Any], train,
+                 dataset: Dataset, startup: StartupClock | None = None) -> None:
+        self.cfg, self.info, self.spec, self.kind = cfg, info, spec, spec["kind"]
+        self.task, self.target_var = spec["task"], target_variance(spec)
         self.startup = startup or StartupClock()
-        self.phase = Phase()
+        self.record = RankRecord(Path(cfg.output_dir) if cfg.output_dir else None, info.rank)
+        self.phase = Phase(self.record)
         _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
-        self.spec = model_spec(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads, dropout=cfg.dropout)
         self.model, self.comm_timer = distributed.parallelize(build_model(self.spec), cfg, info)
         # DDP: the fused AdamW kernel, one call per step instead of a Python loop over the
         # parameters (0.08 ms against 0.27 ms per step for the demo's MLP on one CPU core, a
@@ -137,11 +153,13 @@ class Trainer:
         clock = metrics.RunClock(out) if info.is_main else None  # survives restarts: run start, target hit
         self.checkpointer = checkpoint.Checkpointer(
             cfg.checkpoint_dir, world_size=info.world_size, config_hash=cfg.config_hash(), use_async=cfg.async_checkpoint,
-            every=cfg.checkpoint_every, last_step=cfg.steps, metrics=self.metrics_log, phase=self.phase)
+            every=cfg.checkpoint_every, last_step=cfg.steps, keep_last=cfg.retention_keep_last, metrics=self.metrics_log,
+            mlflow=self.mlflow, phase=self.phase)
         self.telemetry = Telemetry(cfg, info, self.state, comm_timer=self.comm_timer, spec=self.spec, mlflow=self.mlflow,
                                    metrics_log=self.metrics_log, clock=clock, restarts=self.restarts, phase=self.phase)
-        self.evaluator = Evaluator(cfg, info, self.model, self.kind, metrics_log=self.metrics_log, clock=clock,
+        self.evaluator = Evaluator(cfg, info, self.model, spec, dataset, metrics_log=self.metrics_log, clock=clock,
                                    telemetry=self.telemetry, phase=self.phase)
+        self.evaluator.on_eval.append(self.checkpointer.note_eval)  # retention keeps the best by eval/loss
         self.replicas = ReplicaCheck(self.model, info, cfg.replica_check_every, self.phase)
         self.preemption = Preemption(cfg.preempt_grace_s, log_every=cfg.log_every, device=info.device,
                                      checkpointer=self.checkpointer, phase=self.phase)
@@ -154,8 +172,8 @@ class Trainer:
         self.startup.mark("components")  # checkpointer, telemetry, evaluator (reads the validation split)
 
     def fit(self) -> dict[str, Any]:
-        """Resume from the latest complete checkpoint (if any), train up to ``cfg.steps``, write
-        the final checkpoint with the exported model; returns the run summary."""
+        """Resume from the newest checkpoint that verifies (if any), train up to ``cfg.steps``,
+        commit the final checkpoint with the exported model; returns the run summary."""
         wall_start = time.perf_counter()
         resumed_from, rng_restored = self.checkpointer.resume(self.state)
         self.startup.mark("resume")
@@ -179,10 +197,10 @@ class Trainer:
                 self._loop()
                 self.phase.now = "final export"
                 self.preemption.drain()
-                final_dir = self.checkpointer.finalize(self.state, self.model, self.spec)
+                final_uri = self.checkpointer.finalize(self.state, self.model, self.spec)
         finally:
             self.telemetry.close()
-        return self._summary(final_dir, resumed_from, wall_start)
+        return self._summary(final_uri, resumed_from, wall_start)
 
     def _loop(self) -> None:
         """Every component decides itself whether this step is its turn."""
@@ -191,6 +209,7 @@ class Trainer:
             result = self._train_step()
             self.state.step += 1
             step = self.state.step
+            self.record.beat(step)
             self.telemetry.record(step, result)
             for hook in self.after_step:
                 hook(step)
@@ -222,7 +241,7 @@ class Trainer:
             phase.now = "forward/backward" + ("" if last else " (accumulation, no communication)")
             with distributed.gradient_sync(self.model, last):
                 with precision.autocast(cfg.precision, cfg.strategy, info.device):
-                    loss = loss_fn(self.model(inputs), target) / cfg.grad_accum
+                    loss = loss_fn(self.model(inputs), target, task=self.task, target_var=self.target_var) / cfg.grad_accum
                 self.scaler.scale(loss).backward()
             if last:  # backward returned after the gradient collectives completed
                 exposed = self.comm_timer.backward_done()
@@ -244,18 +263,18 @@ class Trainer:
         return StepResult(loss=loss_sum, grad_norm=grad_norm, skipped=skipped, seconds=time.perf_counter() - t0,
                           data_s=data_s, exposed=exposed, comm=comm)
 
-    def _summary(self, final_dir: Path, resumed_from: Path | None, wall_start: float) -> dict[str, Any]:
+    def _summary(self, final_uri: str, resumed_from: str | None, wall_start: float) -> dict[str, Any]:
         """Collective. The run summary every rank returns; rank 0 also tags the MLflow run with the
         final checkpoint and writes ``output_dir/train_summary.json``."""
         cfg, info, tel = self.cfg, self.info, self.telemetry
         run_summary = tel.run_summary(self.state.step)
         summary = {
             "final_step": self.state.step,
-            "checkpoint_path": str(final_dir.resolve()),
+            "checkpoint_uri": final_uri,
             "world_size": info.world_size,
             "first_logged_loss": tel.first_loss,
             "last_logged_loss": tel.last_loss,
-            "resumed_from": str(resumed_from) if resumed_from else None,
+            "resumed_from": resumed_from,
             "restarts": self.restarts,
             "skipped_steps": tel.skipped_steps,
             "train_wall_s": time.perf_counter() - wall_start,
@@ -263,9 +282,8 @@ class Trainer:
             **run_summary,
         }
         if info.is_main:
-            self.mlflow.set_tags({"checkpoint.local_path": summary["checkpoint_path"]})
             if tel.out:
                 tel.out.mkdir(parents=True, exist_ok=True)
                 (tel.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        log.logger.info(f"train: done at step {self.state.step}; final checkpoint {final_dir}")
+        log.logger.info(f"train: done at step {self.state.step}; final checkpoint {final_uri}")
         return summary

@@ -1,9 +1,10 @@
-"""The data gate: Great Expectations 1.x suites built from the schema in ``dataset.json``.
+"""The data gate: Great Expectations 1.x suites, one per split, against the dataset's schema.
 
-    python -m training validate --dataset-uri var/data/teacher [--min-rows N] [--docs-dir /tmp/gx-docs]
+    python -m training validate --dataset-uri var/data/teacher [--label-column y] [--min-rows N] [--docs-dir DIR]
 
-The schema comes from the dataset itself, so every dataset kind (tabular, images, tokens) is
-checked by the same code. ``dataset.json`` either carries an explicit ``schema`` section::
+The schema (training/schema.py) comes from ``dataset.json`` when the dataset has one (an explicit
+``schema`` section, or one derived from the generic fields ``make-data`` writes), and otherwise is
+inferred from the train split, so that validation is checked against what train holds::
 
     "schema": {
       "columns": [
@@ -16,10 +17,9 @@ checked by the same code. ``dataset.json`` either carries an explicit ``schema``
       "class_fraction": [0.025, 0.9]    # every label value's share of rows lies in this range
     }
 
-or names a ``kind`` whose schema is derived from the generic fields every generator writes
-(``SCHEMA_FROM_META``: ``tabular``, ``images`` and ``tokens`` from ``features``, ``feature_dtype``,
-``feature_range``, ``label``, ``n_classes``). A kind with neither is refused with a message
-saying what to add.
+The dataset is opened first (training/tables.py: its layout, local folder or S3, every file's
+sha256); a missing folder, an unusable layout, or a table that cannot be described (no label
+column, a label with nulls, a single class...) fails the gate with the field to fix.
 
 Each split is read with pyarrow and checked by one suite: exact column set, dtypes, no nulls (NaN
 counts as null), no inf (column min/max within the declared or the float range), label values in
@@ -28,12 +28,15 @@ the column min/max (vectorized) instead of GX's per-value ``expect_column_values
 which calls a Python function per value and takes seconds on a million rows.
 
 The verdict names every failed expectation with what was observed, one line each, and carries a
-fingerprint of the data (sha256 of every file, row counts). With ``docs_dir`` GX's own Data Docs
-(HTML) are built there from the stored validation results. ``validate_cached`` keeps a passed
-verdict for the same bytes, schema, gate code and GX version.
+fingerprint of the data (sha256 of every file read, row counts) and, as ``data_schema``, what the
+data is (layout, description with the task and why, train's columns, classes and their shares, the
+schema checked). With ``docs_dir`` GX's own Data Docs (HTML) are built there from the stored
+validation results. ``gate_cached`` keeps a passed verdict for the same bytes, options,
+schema, gate code and GX version.
 
-One module past 400 lines: the schema, the suite, the gate and the key of a kept verdict change
-together (that key hashes this file, so any change to the gate invalidates every kept verdict).
+One module past 400 lines: opening the data, the suite, the two custom expectations it uses, the
+verdict's lines and the key of a kept verdict (which hashes this file) change together; what the
+data must look like lives in training/schema.py.
 """
 
 from __future__ import annotations
@@ -42,25 +45,26 @@ import hashlib
 import logging
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from training.datasets import SPLITS, read_meta
+from training.data import Dataset
+from training.fields import ConfigError
+from training.schema import (  # noqa: F401 (the gate's schema types, importable from here too)
+    DTYPE_FAMILIES,
+    NUMERIC,
+    DatasetSchema,
+    SchemaError,
+    class_shares,
+    schema_from_meta,
+)
+from training.tables import SPLITS, TABLE, DataOptions, discover
+from training.tables import fingerprint as files_fingerprint
 from training.util import sha256_file
 
 # GX logs a line per expectation at INFO; the verdict we print is the readable summary.
 logging.getLogger("great_expectations").setLevel(logging.WARNING)
-
-# dtype family -> the pandas/numpy dtype names GX's type check accepts for it.
-DTYPE_FAMILIES: dict[str, list[str]] = {
-    "float": ["float16", "float32", "float64", "Float32Dtype", "Float64Dtype"],
-    "int": ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",  # + pandas nullable ints:
-            "Int8Dtype", "Int16Dtype", "Int32Dtype", "Int64Dtype", "UInt8Dtype", "UInt16Dtype", "UInt32Dtype", "UInt64Dtype"],
-    "bool": ["bool", "BooleanDtype"],
-    "string": ["object", "str", "StringDtype"],
-}
-NUMERIC = ("float", "int")
 
 
 class DataValidationError(ValueError):
@@ -72,139 +76,9 @@ class DataValidationError(ValueError):
         super().__init__("\n".join(lines))
 
 
-class SchemaError(ValueError):
-    """``dataset.json`` declares no usable schema."""
-
-
-# --------------------------------------------------------------------------- schema
-
-
-@dataclass(kw_only=True)
-class ColumnSchema:
-    name: str
-    dtype: str
-    min: float | None = None
-    max: float | None = None
-    values: list[Any] | None = None
-    nullable: bool = False
-
-
-@dataclass(kw_only=True)
-class DatasetSchema:
-    kind: str
-    columns: list[ColumnSchema]
-    label: str | None = None
-    min_rows: int = 100
-    max_duplicate_fraction: float = 0.01
-    class_fraction: tuple[float, float] | None = None
-
-    @classmethod
-    def from_dict(cls, kind: str, d: dict[str, Any]) -> "DatasetSchema":
-        if not isinstance(d.get("columns"), list) or not d["columns"]:
-            raise SchemaError("schema.columns must be a non-empty list of {name, dtype, ...}")
-        cols = []
-        for c in d["columns"]:
-            if not isinstance(c, dict) or "name" not in c or "dtype" not in c:
-                raise SchemaError(f"schema column {c!r} needs at least 'name' and 'dtype'")
-            unknown = set(c) - {f.name for f in ColumnSchema.__dataclass_fields__.values()}
-            if unknown:
-                raise SchemaError(f"schema column {c['name']!r} has unknown keys {sorted(unknown)}")
-            col = ColumnSchema(**c)
-            if col.dtype not in DTYPE_FAMILIES:
-                raise SchemaError(f"schema column {col.name!r}: dtype {col.dtype!r} is unknown; use one of {sorted(DTYPE_FAMILIES)}")
-            if (col.min is not None or col.max is not None) and col.dtype not in NUMERIC:
-                raise SchemaError(f"schema column {col.name!r}: min/max apply to numeric dtypes only")
-            cols.append(col)
-        names = [c.name for c in cols]
-        label = d.get("label")
-        if label is not None and label not in names:
-            raise SchemaError(f"schema.label {label!r} is not one of the columns {names}")
-        cf = d.get("class_fraction")
-        if cf is not None:
-            if label is None or len(cf) != 2 or not 0 <= cf[0] <= cf[1] <= 1:
-                raise SchemaError("schema.class_fraction must be [min, max] within [0, 1] and needs schema.label")
-            cf = (float(cf[0]), float(cf[1]))
-        dup = float(d.get("max_duplicate_fraction", 0.01))
-        if not 0 <= dup <= 1:
-            raise SchemaError("schema.max_duplicate_fraction must be within [0, 1]")
-        return cls(kind=kind, columns=cols, label=label, min_rows=int(d.get("min_rows", 100)),
-                   max_duplicate_fraction=dup, class_fraction=cf)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("kind")
-        d["class_fraction"] = list(self.class_fraction) if self.class_fraction else None
-        d["columns"] = [{k: v for k, v in c.items() if v is not None and (k != "nullable" or v)} for c in d["columns"]]
-        return d
-
-    def label_values(self) -> list[Any] | None:
-        col = next((c for c in self.columns if c.name == self.label), None)
-        if col is None:
-            return None
-        if col.values is not None:
-            return list(col.values)
-        if col.dtype == "int" and col.min is not None and col.max is not None:
-            return list(range(int(col.min), int(col.max) + 1))
-        return None
-
-
-def schema_from_fields(meta: dict[str, Any]) -> dict[str, Any]:
-    """Schema from the generic ``dataset.json`` fields every generator writes: ``features``,
-    ``feature_dtype`` (float|int), ``feature_range``, ``label`` (a column or null) and ``n_classes``."""
-    lo, hi = meta["feature_range"]
-    dtype = meta.get("feature_dtype", "float")
-    schema: dict[str, Any] = {
-        "columns": [{"name": f, "dtype": dtype, "min": lo, "max": hi} for f in meta["features"]],
-        "min_rows": 100,
-        "max_duplicate_fraction": 0.01,
-    }
-    if meta.get("label") is not None:
-        n = int(meta["n_classes"])
-        schema["columns"].append({"name": meta["label"], "dtype": "int", "values": list(range(n))})
-        schema["label"] = meta["label"]
-        # Every class holds at least a tenth of its uniform share, and none more than 90% of rows.
-        schema["class_fraction"] = [round(0.1 / n, 6), 0.9]
-    return schema
-
-
-# Kinds whose schema is derived from their dataset.json fields. Any dataset can instead carry an
-# explicit "schema" section (tighter bounds, other columns, a new kind).
-SCHEMA_FROM_META: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "tabular": schema_from_fields, "images": schema_from_fields, "tokens": schema_from_fields}
-
-
-def schema_from_meta(meta: dict[str, Any]) -> DatasetSchema:
-    kind = meta.get("kind", "tabular")
-    if "schema" in meta:
-        return DatasetSchema.from_dict(kind, meta["schema"])
-    derive = SCHEMA_FROM_META.get(kind)
-    if derive is None:
-        raise SchemaError(f"kind {kind!r} has no 'schema' section; add one (columns with dtypes and ranges, "
-                          "min_rows, max_duplicate_fraction, class_fraction)")
-    try:
-        return DatasetSchema.from_dict(kind, derive(meta))
-    except KeyError as e:
-        raise SchemaError(f"kind {kind!r} needs the field {e.args[0]!r} (or an explicit 'schema' section)") from None
-
-
-# --------------------------------------------------------------------------- fingerprint
-
-
-def data_files(root: str | Path) -> list[dict[str, Any]]:
-    """Every data file under ``root`` with its size and sha256."""
-    root = Path(root)
-    out = []
-    for p in sorted(root.rglob("*.parquet")):
-        out.append({"path": p.relative_to(root).as_posix(), "size": p.stat().st_size, "sha256": sha256_file(p)})
-    return out
-
-
-def fingerprint(root: str | Path, files: list[dict[str, Any]] | None = None) -> str:
-    """One sha256 over every data file's relative path and sha256: what exactly was trained on."""
-    h = hashlib.sha256()
-    for f in files if files is not None else data_files(root):
-        h.update(f"{f['path']}\0{f['sha256']}\n".encode())
-    return h.hexdigest()
+def fingerprint(root: str | Path) -> str:
+    """The data fingerprint of a dataset (sha256 over every data file's path and sha256)."""
+    return files_fingerprint(discover(str(root)).all_files)
 
 
 # --------------------------------------------------------------------------- suite
@@ -305,8 +179,13 @@ def build_suite(schema: DatasetSchema, *, name: str, dtypes: dict[str, Any] | No
             continue
         if not c.nullable:
             ex.append(gxe.ExpectColumnValuesToNotBeNull(column=c.name))
-        ex.append(gxe.ExpectColumnValuesToBeInTypeList(column=c.name, type_list=DTYPE_FAMILIES[c.dtype]))
         actual = dtypes.get(c.name) if dtypes is not None else None
+        # GX compares a column's dtype by equality with dtypes built from these names, and no name
+        # builds pandas 3's default string dtype (pyarrow storage, NaN as missing): a string column
+        # declared "string" is right as it is. "any": a column whose values the model never reads.
+        is_string = c.dtype == "string" and actual is not None and pd_types.is_string_dtype(actual)
+        if DTYPE_FAMILIES[c.dtype] and not is_string:
+            ex.append(gxe.ExpectColumnValuesToBeInTypeList(column=c.name, type_list=DTYPE_FAMILIES[c.dtype]))
         numeric = actual is None or pd_types.is_numeric_dtype(actual) and not pd_types.is_bool_dtype(actual)
         if c.dtype in NUMERIC and numeric and (c.dtype == "float" or c.min is not None or c.max is not None):
             big = float(np.finfo(np.float64).max)
@@ -404,36 +283,38 @@ def _failure(split: str, r, schema: DatasetSchema) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the gate
 
 
-def validate(dataset_uri: str, *, min_rows: int | None = None, docs_dir: str | Path | None = None) -> dict[str, Any]:
-    """Run the suite on every split. Returns the verdict; raises DataValidationError on failure.
+def validate(dataset: str | Path | Dataset, **kwargs: Any) -> dict[str, Any]:
+    """The verdict of ``gate``; raises DataValidationError on failure."""
+    return gate(dataset, **kwargs)[0]
 
-    ``min_rows`` overrides the schema's minimum; ``docs_dir`` builds GX Data Docs (HTML) there.
-    The verdict (also on failure, in ``DataValidationError.report``): ``success``, ``failures``
-    (readable lines), ``failed_expectations`` (split, expectation, column, observed),
-    ``rows`` per split, ``files`` (path, size, sha256), ``fingerprint``, ``schema``, ``data_docs``.
+
+def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, env: dict[str, str] | None = None,
+         min_rows: int | None = None, docs_dir: str | Path | None = None) -> tuple[dict[str, Any], Dataset]:
+    """Run the suite on every split. Returns the verdict and the opened dataset (its splits read
+    once, for the caller to go on with); raises DataValidationError on failure.
+
+    ``dataset``: a dataset_uri (opened with ``options`` and the S3 settings ``env``) or an opened
+    ``Dataset``. ``min_rows`` overrides the schema's minimum; ``docs_dir`` builds GX Data Docs
+    (HTML) there. The verdict (also on failure, in ``DataValidationError.report``): ``success``,
+    ``failures`` (readable lines), ``failed_expectations`` (split, expectation, column, observed),
+    ``rows`` per split, ``files`` (path, size, sha256), ``fingerprint``, ``schema`` (what was
+    checked), ``data_schema`` (what the data is), ``data_docs``.
     """
-    root = Path(dataset_uri)
-    report: dict[str, Any] = {"dataset_uri": str(dataset_uri), "success": False, "failures": [],
-                              "failed_expectations": [], "rows": {}, "files": [], "fingerprint": None}
+    uri = dataset.uri if isinstance(dataset, Dataset) else str(dataset)
+    report: dict[str, Any] = {"dataset_uri": uri, "success": False, "failures": [], "failed_expectations": [],
+                              "rows": {}, "files": [], "fingerprint": None}
 
     def fail(line: str, **extra: Any) -> None:
         report["failures"].append(line)
         report["failed_expectations"].append({"line": line, **extra})
 
-    try:
-        meta = read_meta(root)
-        schema = schema_from_meta(meta)
-    except (FileNotFoundError, ValueError) as e:  # ValueError covers bad JSON and SchemaError
-        fail(f"dataset.json: {e}")
-        raise DataValidationError(report) from None
+    ds, tables, schema = _open(dataset, options, env, report, fail)
     if min_rows is not None:
         schema.min_rows = int(min_rows)
     report["schema"] = {"kind": schema.kind, **schema.to_dict()}
-    report["files"] = data_files(root)
-    report["fingerprint"] = fingerprint(root, report["files"])
+    report["data_schema"] = _data_schema(ds, schema, report)
 
     import great_expectations as gx
-    import pyarrow.parquet as pq
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
     context = gx.get_context(mode="ephemeral")
@@ -444,19 +325,10 @@ def validate(dataset_uri: str, *, min_rows: int | None = None, docs_dir: str | P
             "class_name": "SiteBuilder", "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
             "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": str(docs_dir)}})
     source = context.data_sources.add_pandas("pandas")
-    for split in SPLITS:
-        parts = sorted((root / split).glob("*.parquet"))
-        if not parts:
-            fail(f"{split}: no Parquet files under {root / split}", split=split)
-            continue
-        try:
-            # One pandas block per column: no copy into a 2-D block on read, and column access
-            # (GX touches every column many times) stays a cheap view.
-            df = pq.read_table(parts if len(parts) > 1 else parts[0]).to_pandas(split_blocks=True, self_destruct=True)
-        except Exception as e:  # corrupt / truncated / empty file: pyarrow raises several types
-            fail(f"{split}: cannot read Parquet ({type(e).__name__}: {_one_line(str(e))})", split=split)
-            continue
-        report["rows"][split] = len(df)
+    for split, table in tables.items():
+        # One pandas block per column: no copy into a 2-D block, and column access (GX touches
+        # every column many times) stays a cheap view.
+        df = table.to_pandas(split_blocks=True)
         suite = context.suites.add(build_suite(schema, name=f"{schema.kind}_{split}", dtypes=dict(df.dtypes), rows=len(df)))
         batch_def = source.add_dataframe_asset(name=split).add_batch_definition_whole_dataframe("all")
         vd = context.validation_definitions.add(gx.ValidationDefinition(name=split, data=batch_def, suite=suite))
@@ -473,42 +345,114 @@ def validate(dataset_uri: str, *, min_rows: int | None = None, docs_dir: str | P
         report["data_docs"] = str(index) if index.is_file() else None
     report["success"] = not report["failures"]
     if report["success"]:
-        return report
+        return report, ds
     raise DataValidationError(report)
+
+
+def _open(dataset, options, env, report: dict[str, Any], fail) -> tuple[Dataset, dict[str, Any], DatasetSchema]:
+    """The dataset, its readable splits (Arrow tables) and the schema to check them against; every
+    problem that stops the gate before GX is a failure line (then DataValidationError)."""
+    def stop() -> DataValidationError:
+        return DataValidationError(report)
+
+    try:
+        ds = dataset if isinstance(dataset, Dataset) else Dataset(discover(str(dataset), env=env), options or DataOptions())
+    except ConfigError as e:  # no such folder, bucket or object; an unreadable dataset.json
+        fail(str(e))
+        raise stop() from None
+    try:
+        declared = ds.declared_schema()
+    except (SchemaError, TypeError, ValueError) as e:
+        fail(f"dataset.json: {e}")
+        raise stop() from None
+    for problem in ds.layout.problems:
+        split = next((s for s in SPLITS if problem.startswith(f"{s}:")), None)
+        fail(problem if split else f"dataset_uri: {problem}", split=split)
+    if ds.layout.problems:
+        raise stop()
+    report["files"] = [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in ds.layout.all_files]
+    report["fingerprint"] = ds.fingerprint
+    tables: dict[str, Any] = {}
+    for split in SPLITS:
+        try:
+            tables[split] = ds.table(split)
+            report["rows"][split] = tables[split].num_rows
+        except Exception as e:  # corrupt / truncated / empty file: pyarrow raises several types
+            where = "table" if TABLE in ds.layout.files else split
+            fail(f"{where}: cannot read Parquet ({type(e).__name__}: {_one_line(str(e))})", split=split)
+            if TABLE in ds.layout.files:
+                break
+    if "train" not in tables:
+        raise stop()
+    try:
+        schema = declared if declared is not None else ds.gate_schema()
+    except ConfigError as e:  # the table cannot be described: no label column, a single class...
+        fail(str(e), field=e.field)
+        raise stop() from None
+    return ds, tables, schema
+
+
+def _data_schema(ds: Dataset, schema: DatasetSchema, report: dict[str, Any]) -> dict[str, Any]:
+    """What the data is, for the run (``data_schema.json``): where the rows came from, the
+    description (label, features, task and why), train's columns, the classes and their shares."""
+    out: dict[str, Any] = {"fingerprint": ds.fingerprint, **ds.layout.summary(ds.options), "rows": report["rows"]}
+    try:
+        d = ds.meta
+    except ConfigError:  # a dataset.json schema without a description (another kind of data)
+        d = None
+    if d is not None:
+        out["description"] = {k: d[k] for k in ("kind", "source", "label", "task", "task_reason", "features",
+                                                "n_classes", "classes", "normalize", "ignored_columns") if k in d}
+        if d.get("label") and d.get("task") == "classification":
+            classes = d.get("classes") or list(range(int(d["n_classes"])))
+            out["classes"] = class_shares(ds.table("train").column(d["label"]), classes)
+    out["train_columns"] = ds.train_profile()
+    out["schema_source"] = "dataset.json" if ds.declared_schema() is not None else "inferred from the train split"
+    out["schema"] = schema.to_dict()
+    return out
 
 
 # --------------------------------------------------------------------------- verdicts kept between runs
 
 
-def gate_key(dataset_uri: str | Path, files: list[dict[str, Any]], min_rows: int | None = None) -> str:
-    """What a verdict depends on: the data files' bytes (``fingerprint``), ``dataset.json`` (the
-    schema), this module's code, the Great Expectations version and ``min_rows``."""
+def gate_key(ds: Dataset, min_rows: int | None = None) -> str:
+    """What a verdict depends on: the data files' bytes (the fingerprint), ``dataset.json``, the
+    options that turn the table into training data, the gate's code (this module, the schema and
+    the table reader), the Great Expectations version and ``min_rows``."""
+    import json
     from importlib.metadata import version
 
+    from training import schema, tables
+
     h = hashlib.sha256()
-    for part in (fingerprint(dataset_uri, files), sha256_file(Path(dataset_uri) / "dataset.json"),
-                 sha256_file(__file__), version("great_expectations"), str(min_rows)):
+    for part in (ds.fingerprint, json.dumps(ds.layout.meta, sort_keys=True, default=str),
+                 json.dumps(asdict(ds.options), sort_keys=True, default=str),
+                 *(sha256_file(Path(m.__file__)) for m in (schema, tables)), sha256_file(Path(__file__)),
+                 version("great_expectations"), str(min_rows)):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
 
 
-def validate_cached(dataset_uri: str, *, cache_dir: str | Path, min_rows: int | None = None,
-                    docs_dir: str | Path | None = None) -> dict[str, Any]:
-    """``validate``, run once per dataset content and suite: a passed verdict (and its Data Docs)
-    is kept in ``cache_dir`` under ``gate_key`` and returned again while neither the data bytes,
-    ``dataset.json``, the gate's code nor GX changed (hashing the files is all a repeat costs;
-    the suite itself, with GX's import, takes seconds). The returned verdict then carries
-    ``cached_from`` (when and where that verdict was reached). A failed verdict is never kept:
-    the gate runs again and reports afresh."""
+def gate_cached(dataset: str | Path, *, cache_dir: str | Path, options: DataOptions | None = None,
+                env: dict[str, str] | None = None, min_rows: int | None = None,
+                docs_dir: str | Path | None = None) -> tuple[dict[str, Any], Dataset]:
+    """``gate``, run once per dataset content and suite: a passed verdict (and its Data Docs) is
+    kept in ``cache_dir`` under ``gate_key`` and returned again while neither the data bytes, the
+    options, ``dataset.json``, the gate's code nor GX changed (opening and hashing the files is all
+    a repeat costs; the suite itself, with GX's import, takes seconds). The returned verdict then
+    carries ``cached_from`` (when and where that verdict was reached). A failed verdict is never
+    kept: the gate runs again and reports afresh."""
     import json
     import shutil
     import time
 
     try:
-        files = data_files(dataset_uri)
-        key = gate_key(dataset_uri, files, min_rows)
-    except OSError:  # no dataset.json, unreadable files: the gate itself says what is wrong
-        return validate(dataset_uri, min_rows=min_rows, docs_dir=docs_dir)
+        ds = Dataset(discover(str(dataset), env=env), options or DataOptions())
+        key = None if ds.layout.problems else gate_key(ds, min_rows)
+    except (ConfigError, OSError):  # no such folder, unreadable files: the gate itself says what is wrong
+        key = None
+    if key is None:
+        return gate(dataset, options=options, env=env, min_rows=min_rows, docs_dir=docs_dir)
     entry = Path(cache_dir) / key
     try:
         report = json.loads((entry / "report.json").read_text())
@@ -519,13 +463,13 @@ def validate_cached(dataset_uri: str, *, cache_dir: str | Path, min_rows: int | 
     if report is not None:
         report["cached_from"] = {"validated_unix": report.pop("validated_unix", None),
                                  "dataset_uri": report["dataset_uri"]}
-        report["dataset_uri"] = str(dataset_uri)
+        report["dataset_uri"] = str(dataset)
         report["data_docs"] = None
         if docs_dir is not None:
             shutil.copytree(entry / "data_docs", docs_dir, dirs_exist_ok=True)
             report["data_docs"] = str(Path(docs_dir) / "index.html")
-        return report
-    report = validate(dataset_uri, min_rows=min_rows, docs_dir=docs_dir)  # raises when it fails
+        return report, ds
+    report, ds = gate(ds, min_rows=min_rows, docs_dir=docs_dir)  # raises when it fails
     tmp = Path(cache_dir) / f".{key}.{os.getpid()}.tmp"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -539,4 +483,4 @@ def validate_cached(dataset_uri: str, *, cache_dir: str | Path, min_rows: int | 
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         logging.getLogger(__name__).warning("data gate verdict not cached in %s (%s)", cache_dir, e)
-    return report
+    return report, ds

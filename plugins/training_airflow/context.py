@@ -2,6 +2,7 @@
 
 - ``Opened`` / ``Handoff``: the XCom contract between the tasks (the same keys for every backend);
 - ``train_config``: the run's Params as the trainer's ``TrainConfig``, cross-field rules checked;
+  ``data_options``: the Params that say how a table becomes training data;
 - ``run_logger``: the MLflow run of this DAG run (one run per DAG run, see training.tracking);
 - ``store_env``: S3 settings of the Airflow connection ``aws_conn_id``, as environment only;
 - ``fails_fast``: the one place where bad input (``ConfigError``, a failed data gate) becomes an
@@ -63,23 +64,43 @@ def fails_fast(fn: F) -> F:
 
 
 def train_config(params: dict[str, Any], *, world_size: int | None = None, checkpoint_dir: str = "-",
-                 output_dir: str = "", dataset_uri: str | None = None) -> Any:
+                 output_dir: str = "", dataset_uri: str | None = None, dataset_fingerprint: str = "") -> Any:
     """The run's Params as a ``TrainConfig``; raises ``ConfigError`` naming the field.
 
     Every field of the trainer that is a Param is taken as is (a Param a deployment lacks keeps the
-    trainer's default); the rules that need the launch size and the dataset are checked too."""
+    trainer's default); the rules that need the launch size are checked too, and the model against
+    the kind a local ``dataset.json`` declares (the data and the model themselves are checked by
+    ``validate_data`` once the gate has read the data). ``dataset_fingerprint``: what the gate
+    recorded, for the ranks to compare with what they read."""
     from training.config import TrainConfig
     from training.fields import specs
 
     values = {name: params[name] for name, spec in specs(TrainConfig).items() if spec.form and name in params}
     values["dataset_uri"] = settings.resolve_path(dataset_uri or params["dataset_uri"])
-    cfg = TrainConfig(**values, checkpoint_dir=checkpoint_dir, output_dir=output_dir)
+    cfg = TrainConfig(**values, checkpoint_dir=checkpoint_dir, output_dir=output_dir,
+                      dataset_fingerprint=dataset_fingerprint)
     cfg.check_world_size(int(world_size or params["world_size"]))
     if Path(cfg.dataset_uri, "dataset.json").is_file():  # a missing dataset is the data gate's to report
         from training.datasets import read_meta
 
-        cfg.check_dataset(read_meta(cfg.dataset_uri))
+        meta = read_meta(cfg.dataset_uri)
+        if "kind" in meta:
+            cfg.check_dataset(meta)
     return cfg
+
+
+def data_options(params: dict[str, Any]) -> Any:
+    """The run's label, features, task and split (``training.tables.DataOptions``); a Param a
+    deployment lacks keeps the trainer's default."""
+    from types import SimpleNamespace
+
+    from training.config import TrainConfig
+    from training.fields import specs
+    from training.tables import DataOptions
+
+    fields = specs(TrainConfig)
+    names = ("label_column", "feature_columns", "task", "validation_fraction", "split_seed")
+    return DataOptions.of(SimpleNamespace(**{n: params.get(n, fields[n].default) for n in names}))
 
 
 def run_logger(run_id: str) -> Any:

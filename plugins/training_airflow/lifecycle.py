@@ -5,7 +5,8 @@ Task callbacks (``default_args`` of the training DAGs):
 - ``on_retry`` (a task failed and Airflow will retry it) and ``on_failure`` (it failed for good):
   tags ``failure.task``, ``failure.try`` and ``failure.reason`` (one line), and the tail of the
   task's log as the artifact ``failures/<task>-try<N>.log``. ``on_failure`` also marks the run
-  FAILED; during a retry the run stays RUNNING (it is still going).
+  FAILED; during a retry the run stays RUNNING (it is still going). Either way the run's
+  description (``training.tracking.describe``) leads with the reason.
 - ``on_success``: a task that succeeds after a failure (its retry, or a cleared task) removes the
   ``failure.*`` tags and puts a FAILED run back to RUNNING (``report`` marks it FINISHED); the
   ``failures/`` artifacts stay as the run's history.
@@ -29,7 +30,6 @@ from typing import Any
 from training_airflow import settings
 
 log = logging.getLogger(__name__)
-TAGS = ("failure.task", "failure.try", "failure.reason")
 TAIL_LINES = 200
 
 
@@ -50,14 +50,18 @@ def _run_of(context: dict[str, Any]):
 
 
 def reason_of(exception: BaseException | str | None) -> str:
-    """One line a person can act on: the exception's own ``reason`` if it has one, else its first line."""
+    """One line a person can act on: the exception's own ``reason`` if it has one, else its first line
+    (with the lines it introduces when it ends with a colon)."""
     if exception is None:
         return "the task failed without an error from its process (killed, lost its worker, or timed out)"
     if isinstance(exception, str):
         text = exception
     else:
         text = getattr(exception, "reason", None) or f"{type(exception).__name__}: {exception}"
-    first = next((line.strip() for line in str(text).splitlines() if line.strip()), str(text))
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()] or [str(text)]
+    # A heading that ends with ':' says nothing without what follows it ("data validation failed
+    # for ...:" then one line per failed expectation): keep the lines it introduces.
+    first = lines[0] if not lines[0].endswith(":") else f"{lines[0]} " + "; ".join(l.lstrip("- ") for l in lines[1:4])
     return first[:500]
 
 
@@ -87,6 +91,8 @@ def _record(context: dict[str, Any], *, final: bool) -> None:
     reason = reason_of(context.get("exception"))
     from mlflow.entities import RunTag
 
+    from training.tracking import describe
+
     tags = {"failure.task": ti.task_id, "failure.try": str(ti.try_number), "failure.reason": reason}
     client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     # The task's log file; where there is none (dag.test writes none), the output the task kept.
@@ -95,6 +101,7 @@ def _record(context: dict[str, Any], *, final: bool) -> None:
         client.log_text(run.info.run_id, tail, f"failures/{ti.task_id}-try{ti.try_number}.log")
     if final:
         client.set_terminated(run.info.run_id, "FAILED")
+    describe(run.info.run_id)  # the reason on the first thing the run's page shows
     log.info("MLflow run %s: %s try %s failed (%s)%s", run.info.run_id, ti.task_id, ti.try_number, reason,
              ", marked FAILED" if final else ", a retry follows")
 
@@ -115,14 +122,16 @@ def on_retry(context: dict[str, Any]) -> None:
 
 
 def _recovered(context: dict[str, Any]) -> None:
+    from training.tracking import describe
+
     client, run = _run_of(context)
     if run is None or "failure.task" not in run.data.tags:
         return
-    for key in TAGS:
-        if key in run.data.tags:
-            client.delete_tag(run.info.run_id, key)
+    for key in [k for k in run.data.tags if k.startswith("failure.")]:  # the launcher's rank tags too
+        client.delete_tag(run.info.run_id, key)
     if run.info.status == "FAILED":
         client.update_run(run.info.run_id, status="RUNNING")
+    describe(run.info.run_id)
     log.info("MLflow run %s: %s succeeded after the failure of %s; failure tags removed", run.info.run_id,
              context["ti"].task_id, run.data.tags["failure.task"])
 
@@ -137,7 +146,7 @@ def reconcile(experiment_id: str, *, dag_id: str, current_run_id: str) -> list[s
     from mlflow.entities import RunTag
     from mlflow.tracking import MlflowClient
 
-    from training.tracking import TAG_DAG_RUN_ID, find_runs
+    from training.tracking import TAG_DAG_RUN_ID, describe, find_runs
 
     try:
         from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
@@ -164,6 +173,7 @@ def reconcile(experiment_id: str, *, dag_id: str, current_run_id: str) -> list[s
                "the DAG run ended failed with no task failure recorded here (marked failed in the UI, or killed)")
         client.log_batch(run.info.run_id, tags=[RunTag("failure.reason", f"cancelled: {why}")])
         client.set_terminated(run.info.run_id, "KILLED")
+        describe(run.info.run_id)
         killed.append(run.info.run_id)
         log.info("MLflow run %s of DAG run %s marked KILLED: %s", run.info.run_id, dag_run_id, why)
     return killed

@@ -35,6 +35,9 @@ class RunParams:
 
     experiment: str = knob("distributed_training", "MLflow experiment the run is recorded in; also the first part "
                            "of checkpoint keys", title="MLflow experiment", pattern=NAME_PATTERN)
+    run_name: str | None = knob(
+        None, "name of the MLflow run; empty: what it trains, e.g. mlp-ddp-fp32-2ranks-300steps (the Airflow run id "
+        "is kept in the tag airflow.dag_run_id)", title="MLflow run name", schema={"maxLength": 250})
     backend: Literal["local", "kubernetes"] = knob(
         "local", "local: torchrun on the Airflow worker (world_size ranks); kubernetes: an Indexed Job of k8s_nnodes "
         "pods on a cluster (the Kubernetes section). The form offers the backends the deployment enables "
@@ -45,24 +48,29 @@ class RunParams:
     max_restarts: int = knob(0, "how often torchrun restarts the rank group after a rank dies (each restart resumes "
                              "from the latest checkpoint)", title="torchrun max restarts", minimum=0, maximum=10)
     store_uri: str = knob(
-        "", "where the final checkpoint is committed: file:///folder or s3://bucket/prefix. S3 endpoint and "
-        "credentials come from aws_conn_id or the worker's AWS_* environment, never from here",
-        title="Checkpoint store", pattern=r"^(file|s3)://.+", section=RUN)
+        "", "where the run's checkpoints are committed ({store_uri}/{experiment}/{mlflow run id}/): file:///folder or "
+        "s3://bucket/prefix. S3 endpoint and credentials come from aws_conn_id or the worker's AWS_* environment, "
+        "never from here", title="Checkpoint store", pattern=r"^(file|s3)://.+", section=RUN)
+    checkpoint_location: Literal["store", "local"] = knob(
+        "store", "store: every rank writes each checkpoint, periodic and final, straight to store_uri and a retry "
+        "resumes from there, on any worker or pod, with no shared disk; local: periodic checkpoints stay on the "
+        "worker's disk (backend local) or the ReadWriteMany PVC k8s_checkpoint_pvc (backend kubernetes) and only "
+        "the final one is uploaded to the store after training", title="Checkpoint location", section=RUN)
     aws_conn_id: str | None = knob(
         None, "Airflow connection (type Amazon Web Services) with the S3 keys, region and endpoint_url (extra) for "
         "an s3:// store; empty: the worker's AWS_* environment. The keys reach the store as environment only, never "
         "a command line, XCom or MLflow", title="AWS connection", pattern=r"^([A-Za-z0-9_.-]{1,250})?$", section=RUN)
-    retention_keep_last: int = knob(
-        3, "after evaluation, the run's stored checkpoints are pruned to the last K, plus the best by eval/loss and "
-        "whatever `latest` names (never deleted); 0 keeps all", title="Keep last K checkpoints", minimum=0,
-        maximum=1000, section=RUN)
     registered_model: str | None = knob(
         None, "MLflow registered model the evaluated model is registered under; empty: the experiment name",
         title="Registered model", pattern=NAME_PATTERN, section=RUN)
+    gate_metric: Literal["auto", "eval/accuracy", "eval/loss", "eval/r2", "eval/rmse"] = knob(
+        "auto", "the metric the registry gate compares: auto = eval/accuracy for classification, eval/r2 for "
+        "regression; a loss or RMSE must fall, accuracy or R² rise", title="Registry gate metric", section=RUN)
     promotion_margin: float = knob(
-        0.005, "the new model takes the registry alias `champion` only if its eval/accuracy beats the current "
-        "champion's by more than this (absolute: 0.005 = half a percentage point); otherwise it is registered as "
-        "a challenger and the run says why", title="Promotion margin", minimum=0, maximum=1, section=RUN)
+        0.005, "the new model takes the registry alias `champion` only if its gate_metric beats the current "
+        "champion's by more than this (absolute, in the metric's units: 0.005 = half a point of accuracy); "
+        "otherwise it is registered as a challenger and the run says why", title="Promotion margin", minimum=0,
+        maximum=1, section=RUN)
 
 
 def deployment_defaults() -> dict[str, Any]:

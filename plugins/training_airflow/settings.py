@@ -34,8 +34,47 @@ def ensure_tracking_uri() -> str:
         uri = default_tracking_uri()
         os.environ["MLFLOW_TRACKING_URI"] = uri
     if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        _init_sqlite_store(uri)
     return uri
+
+
+_STORES_READY: set[str] = set()
+
+
+def _init_sqlite_store(uri: str) -> None:
+    """Create a new SQLite MLflow store's tables once, under a file lock. Every MLflow client that
+    opens a store creates the tables and the Default experiment when they are missing; tasks of
+    several DAG runs starting at once on a fresh store would race on that and one would fail with
+    ``UNIQUE constraint failed: experiments.workspace, name``."""
+    if uri in _STORES_READY:
+        return
+    import fcntl
+
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".init-lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    _STORES_READY.add(uri)
+
+
+def mlflow_ui_url() -> str:
+    """Where people open MLflow (links, printed URLs): ``TRAINING_MLFLOW_UI_URL``; else the tracking
+    server itself when the tracking URI is one; else ``make mlflow-ui``'s address."""
+    ui = os.environ.get("TRAINING_MLFLOW_UI_URL") or ""
+    if not ui:
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        ui = uri if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return ui.rstrip("/")
+
+
+def airflow_ui_url() -> str:
+    """Where people open Airflow: its ``[api] base_url`` (``AIRFLOW__API__BASE_URL``)."""
+    from airflow.configuration import conf  # loaded already in every Airflow process
+
+    return (conf.get("api", "base_url", fallback="") or "http://127.0.0.1:8080").rstrip("/")
 
 
 def resolve_path(value: str) -> str:
@@ -81,3 +120,13 @@ def enabled_backends() -> list[str]:
         raise ValueError(f"TRAINING_BACKENDS={raw!r} names {unknown or 'no backend'}. Fix: a comma-separated list "
                          f"of {', '.join(BACKENDS)}, e.g. 'local' or 'local,kubernetes'")
     return list(dict.fromkeys(names))
+
+
+def max_active_runs() -> int:
+    """``TRAINING_MAX_ACTIVE_RUNS`` (default 1): how many runs of each training DAG may run at once
+    on this deployment. Runs never share ports, work folders or MLflow runs, so more is safe where
+    the workers have the cores (and the metadata DB is not SQLite under heavy load)."""
+    raw = os.environ.get("TRAINING_MAX_ACTIVE_RUNS", "1").strip()
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TRAINING_MAX_ACTIVE_RUNS={raw!r} is not a positive integer. Fix: e.g. 1 or 4")
+    return int(raw)

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from training_airflow import backends, context, lifecycle, settings
+from training_airflow import backends, context, lifecycle, links, settings
 from training_airflow.context import Handoff, Opened, fails_fast
 from training_airflow.params import run_tags
 
@@ -26,7 +26,12 @@ log = logging.getLogger(__name__)
 
 def _record_verdict(logger, report: dict[str, Any], docs_dir: str) -> None:
     """The data gate's verdict in the MLflow run: tags, data_validation.json (failed expectations
-    with observed values, every file's sha256, row counts) and GX's Data Docs under data_docs/."""
+    with observed values, every file's sha256, row counts), data_schema.json (what the data is:
+    layout, label, features, task and why, train's columns and classes, the schema checked), the
+    one-page summary data_gate.html and GX's Data Docs under data_docs/; the data as the run's
+    dataset input when it passed."""
+    from training.reports import data_gate_page
+
     tags = {"data.validation": "passed" if report["success"] else "failed",
             "data.failed_expectations": len(report["failures"])}
     if report.get("cached_from"):  # the same bytes and suite passed before: that verdict, not a new run
@@ -36,8 +41,22 @@ def _record_verdict(logger, report: dict[str, Any], docs_dir: str) -> None:
         tags["data.fingerprint"] = report["fingerprint"]
     for split, rows in report.get("rows", {}).items():
         tags[f"data.rows_{split}"] = rows
+    data_schema = report.get("data_schema")
+    if data_schema:
+        described = data_schema.get("description") or {}
+        tags.update({f"data.{k}": described[k] for k in ("task", "task_reason", "label") if described.get(k)})
+        tags.update({"data.layout": data_schema["layout"], "data.schema": data_schema["schema_source"]})
+        if "split" in data_schema:
+            split = data_schema["split"]
+            tags["data.split"] = f"hash split: validation_fraction={split['validation_fraction']}, " \
+                                 f"split_seed={split['split_seed']}"
+        logger.log_text(json.dumps(data_schema, indent=2), "data_schema.json")
     logger.set_tags({**tags, "dataset_uri": report["dataset_uri"]})
     logger.log_text(json.dumps(report, indent=2), "data_validation.json")
+    logger.log_text(data_gate_page(report), "data_gate.html")
+    if report["success"] and report.get("fingerprint"):
+        logger.log_dataset(Path(report["dataset_uri"]).name, uri=report["dataset_uri"], fingerprint=report["fingerprint"],
+                           schema=report.get("schema") or {}, rows=report.get("rows", {}))
     if report.get("data_docs"):
         # The HTML pages and their style sheet; GX's bundled fonts and images (~4 MB) stay out.
         shutil.rmtree(Path(docs_dir) / "static" / "fonts", ignore_errors=True)
@@ -45,41 +64,78 @@ def _record_verdict(logger, report: dict[str, Any], docs_dir: str) -> None:
         logger.client.log_artifacts(logger.run_id, docs_dir, "data_docs")
 
 
+def run_name(params: dict[str, Any], world_size: int) -> str:
+    """The MLflow run's name: the ``run_name`` Param, else what the run trains, readable at a glance
+    (``mlp-ddp-fp32-2ranks-300steps``); the Airflow run id stays in the tag ``airflow.dag_run_id``."""
+    given = (params.get("run_name") or "").strip()
+    if given:
+        return given
+    model = str(params.get("model", "")).rsplit(":", 1)[-1]  # a factory: its function's name
+    parts = [v for v in (model, params.get("strategy"), params.get("precision")) if v]
+    return "-".join([*parts, f"{world_size}rank{'s' if world_size != 1 else ''}", f"{params.get('steps')}steps"])
+
+
 @fails_fast
-def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_uri: str | None = None) -> Opened:
-    """Check the run's Params, open (or re-open) this DAG run's MLflow run, run the data gate.
+def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_uri: str | None = None,
+                  dag_run: Any = None) -> Opened:
+    """Check the run's Params, open (or re-open) this DAG run's MLflow run, run the data gate,
+    then check the model against the data (a factory built and run on two rows).
 
     ``dataset_uri`` (from the asset event of a data-driven run) replaces the Param; later tasks
-    get the resolved folder through ``Opened``."""
+    get the resolved folder through ``Opened``. ``dag_run`` (the task context's) gives the MLflow
+    run the link back to Airflow."""
     settings.ensure_tracking_uri()
     from training.config import check_path_part
-    from training.tracking import open_run
+    from training.storage import check_writable
+    from training.tables import DataOptions
+    from training.tracking import describe, open_run
     from training.util import machine_cache_dir
-    from training.validation import DataValidationError, validate_cached
+    from training.validation import DataValidationError, gate_cached
 
     dataset = settings.resolve_path(dataset_uri or params["dataset_uri"])
     params = {**params, "dataset_uri": dataset}
     experiment = check_path_part("experiment", params["experiment"])
     world_size = backends.check_params(params)  # the backend's rules, before any rank starts
-    context.store_env(params)  # a missing or unreadable aws_conn_id fails here too
+    cfg = context.train_config(params)
+    store_env = context.store_env(params)  # a missing or unreadable aws_conn_id fails here too
+    check_writable(params["store_uri"], store_env, field="store_uri")  # so do a missing bucket and denied keys
 
-    run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=dag_run_id,
+    run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=run_name(params, world_size),
                       tags={**run_tags(params), "world_size": str(world_size)})
     logger = context.run_logger(run_id)
-    log.info("MLflow run %s (experiment %s)", run_id, experiment)
+    if dag_run is not None:
+        logger.set_tags(links.airflow_tags(dag_run))
+    log.info("MLflow run %s (experiment %s): %s", run_id, experiment, links.mlflow_run_page(dag_id, dag_run_id))
     # Earlier runs of this DAG that were cancelled (no callback tells us) are KILLED from here on.
     lifecycle.reconcile(logger.client.get_run(run_id).info.experiment_id, dag_id=dag_id, current_run_id=dag_run_id)
     with tempfile.TemporaryDirectory(prefix="gx-docs-") as docs:
         try:
-            report = validate_cached(dataset, cache_dir=machine_cache_dir() / "data_gate", docs_dir=docs)
+            report, data = gate_cached(dataset, cache_dir=machine_cache_dir() / "data_gate", options=DataOptions.of(cfg),
+                                       env=store_env, docs_dir=docs)
         except DataValidationError as e:
             _record_verdict(logger, e.report, docs)
             logger.finish("FAILED")
             raise
         _record_verdict(logger, report, docs)
-    log.info("data gate passed: %s rows, fingerprint %s%s", report["rows"], report["fingerprint"][:16],
+    described = report["data_schema"].get("description") or {}
+    log.info("data gate passed: %s rows, fingerprint %s; %s%s", report["rows"], report["fingerprint"][:16],
+             described.get("task_reason", ""),
              " (the verdict of an earlier run on the same bytes and suite)" if report.get("cached_from") else "")
+    check_model(params, cfg, data)
+    describe(run_id)
     return Opened(mlflow_run_id=run_id, dataset_uri=dataset, dataset_fingerprint=report["fingerprint"])
+
+
+def check_model(params: dict[str, Any], cfg: Any, data: Any) -> None:
+    """Before any rank starts: the model reads this kind of data, the target and gate metrics are
+    measured for its task, and the model (a factory: imported, called, run on two rows) gives
+    outputs of the right shape. A ConfigError names the field (``model`` with the factory path)."""
+    from training.registry import gate_metric
+    from training.train import prepare
+
+    _, spec, _ = prepare(cfg, data)
+    gate_metric(params.get("gate_metric", "auto"), spec["task"])
+    log.info("model %s checked on two rows: %s, %s", cfg.model, spec["kind"], spec["task"])
 
 
 def dataset_from_events(triggering_asset_events: Any) -> str | None:
@@ -97,15 +153,19 @@ def dataset_from_events(triggering_asset_events: Any) -> str | None:
 def evaluate(params: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
     """Fetch the committed checkpoint back, verify every sha256, score the validation split, then
     record the evaluation next to the checkpoint and apply retention."""
-    from training.evaluate import run
+    from training.evaluate import run, summary_line
 
     run_id = handoff["mlflow_run_id"]
     store_env = context.store_env(params)
     settings.work_dir().mkdir(parents=True, exist_ok=True)
     result = run(store_uri=params["store_uri"], experiment=params["experiment"], run_id=run_id,
-                 dataset_uri=handoff["dataset_uri"], work_dir=str(settings.work_dir()), store_env=store_env)
+                 dataset_uri=handoff["dataset_uri"], work_dir=str(settings.work_dir()), store_env=store_env,
+                 options=context.data_options(params))
+    figures = {k: v for k, v in result.items() if k.startswith("eval/")}
     logger = context.run_logger(run_id)
-    logger.log_metrics_once({"eval/loss": result["eval/loss"], "eval/accuracy": result["eval/accuracy"]}, step=result["step"])
+    logger.log_metrics_once(figures, step=result["step"])
+    if result.get("report"):
+        _log_evaluation_report(logger, result["report"], result["step"])
     if result["warnings"]:
         for w in result["warnings"]:
             log.warning("checkpoint fallback: %s", w)
@@ -113,10 +173,21 @@ def evaluate(params: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
                          "checkpoint.evaluated": result["checkpoint_step_dir"]})
     keep_checkpoints(params, run_id, result, store_env)
     known = ", ".join(f"{k} {result[k]:.4f}" for k in ("bayes_accuracy", "chance_accuracy", "loss_floor") if result.get(k) is not None)
-    log.info("eval at step %d: loss %.4f, accuracy %.4f (%s)", result["step"], result["eval/loss"],
-             result["eval/accuracy"], known or "no reference values for this dataset")
-    return {**handoff, "eval_loss": result["eval/loss"], "eval_accuracy": result["eval/accuracy"],
-            "eval_step": result["step"], "evaluated_step_dir": result["checkpoint_step_dir"]}
+    log.info("eval at step %d: %s (%s)", result["step"], summary_line(figures),
+             known or "no reference values for this dataset")
+    return {**handoff, "eval_loss": result["eval/loss"], "eval_accuracy": result.get("eval/accuracy"),
+            "eval_metrics": figures, "task": result["task"], "eval_step": result["step"],
+            "evaluated_step_dir": result["checkpoint_step_dir"]}
+
+
+def _log_evaluation_report(logger, report: dict[str, Any], step: int) -> None:
+    """evaluation/: report.html (a classifier's per-class precision and recall and its confusion
+    matrix; a regressor's residuals), report.json and the pictures (training/reports.py)."""
+    from training.reports import evaluation_files
+
+    with tempfile.TemporaryDirectory(prefix="evaluation-") as tmp:
+        evaluation_files(report, Path(tmp), step=step)
+        logger.client.log_artifacts(logger.run_id, tmp, "evaluation")
 
 
 def keep_checkpoints(params: dict[str, Any], run_id: str, result: dict[str, Any], store_env: dict[str, str]) -> None:
@@ -127,7 +198,7 @@ def keep_checkpoints(params: dict[str, Any], run_id: str, result: dict[str, Any]
     where = {"experiment": params["experiment"], "run_id": run_id, "env": store_env}
     try:
         record_eval(params["store_uri"], step_dir=result["checkpoint_step_dir"],
-                    metrics={"eval/loss": result["eval/loss"], "eval/accuracy": result["eval/accuracy"]}, **where)
+                    metrics={k: v for k, v in result.items() if k.startswith("eval/")}, **where)
         keep = int(params.get("retention_keep_last", 0) or 0)
         if keep:
             r = apply_retention(params["store_uri"], keep_last=keep, metric="eval/loss", mode="min", **where)
@@ -138,42 +209,62 @@ def keep_checkpoints(params: dict[str, Any], run_id: str, result: dict[str, Any]
 
 @fails_fast
 def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
-    """Log the evaluated model, register it, and let it take the `champion` alias if it is better.
+    """Log the evaluated model, register it, and let it take the `champion` alias if it is better
+    on the run's gate metric (``gate_metric``; auto: accuracy, or R² for regression).
 
     The model files are fetched from the store again and verified against the manifest (the step
     folder ``evaluate`` scored), so this task may run on another worker than ``evaluate``."""
     from training import registry
     from training.checkpoint import MODEL_CONFIG_FILE, MODEL_FILE
+    from training.data import open_dataset
     from training.evaluate import example_inputs, score_folder
     from training.storage import fetch_checkpoint
+    from training.tracking import describe
 
-    run_id, dataset = scored["mlflow_run_id"], scored["dataset_uri"]
+    run_id = scored["mlflow_run_id"]
     name = params.get("registered_model") or params["experiment"]
+    task = scored.get("task", "classification")
+    metric = registry.gate_metric(params.get("gate_metric", "auto"), task)
+    figures = scored.get("eval_metrics") or {"eval/loss": scored["eval_loss"], "eval/accuracy": scored["eval_accuracy"]}
+    store_env = context.store_env(params)
+    data = open_dataset(scored["dataset_uri"], context.data_options(params), env=store_env)
     settings.work_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=settings.work_dir(), prefix="register-") as tmp:
         model_dir, _, _ = fetch_checkpoint(params["store_uri"], experiment=params["experiment"], run_id=run_id,
-                                           dest=tmp, env=context.store_env(params),
+                                           dest=tmp, env=store_env,
                                            step_dir=scored["evaluated_step_dir"], only=(MODEL_FILE, MODEL_CONFIG_FILE))
         gate = registry.register_and_gate(
-            run_id=run_id, model_dir=model_dir, registered_model=name, metric_value=scored["eval_accuracy"],
-            margin=float(params.get("promotion_margin", 0.0)), example_inputs=example_inputs(dataset),
+            run_id=run_id, model_dir=model_dir, registered_model=name, metric_value=figures[metric], metric=metric,
+            margin=float(params.get("promotion_margin", 0.0)), example_inputs=example_inputs(data),
             step=scored["eval_step"], data_fingerprint=scored.get("dataset_fingerprint"),
-            score_model=lambda folder: score_folder(folder, dataset)["eval/accuracy"])
+            score_model=lambda folder: score_folder(folder, data)[metric])
     log.info("registry: %s version %s is %s: %s", gate["registered_model"], gate["version"], gate["decision"], gate["reason"])
+    describe(run_id)  # the decision and both aliases on the run's page
     return {**scored, "registry": gate}
 
 
 @fails_fast
 def report(params: dict[str, Any], registered: dict[str, Any], *, dag_run_start: datetime | None) -> dict[str, Any]:
-    """Close the MLflow run and record how much of the DAG's wall time was orchestration."""
+    """Record how much of the DAG's wall time was orchestration, draw the run's plots, close the
+    MLflow run and write its description (what its page shows first)."""
+    from training.reports import run_plots
+    from training.tracking import describe, run_url, summary_of
+
     run_id = registered["mlflow_run_id"]
     logger = context.run_logger(run_id)
-    metrics = {}
+    figures = {}
     if dag_run_start is not None:
         wall = (datetime.now(timezone.utc) - dag_run_start).total_seconds()
-        metrics = {"pipeline/dag_wall_s": wall, "pipeline/orchestration_overhead_s": wall - registered["torchrun_wall_s"]}
-        logger.log_metrics_once(metrics, step=registered["final_step"])
+        figures = {"dag_wall_s": wall, "orchestration_overhead_s": wall - registered["torchrun_wall_s"]}
+        logger.log_summary(figures)
+    with tempfile.TemporaryDirectory(prefix="plots-") as tmp:
+        if run_plots(logger.client, run_id, Path(tmp)):
+            logger.client.log_artifacts(run_id, tmp, "plots")
     logger.finish("FINISHED")
-    summary = {**registered, **metrics, "finished_unix": time.time()}
+    describe(run_id)
+    summary = {**registered, **figures, "finished_unix": time.time()}
     log.info("run summary: %s", json.dumps(summary))
+    run = logger.client.get_run(run_id)
+    log.info("MLflow run page: %s", run_url(settings.mlflow_ui_url(), run.info.experiment_id, run_id))
+    log.info("run summary figures: %s", json.dumps(summary_of(run), sort_keys=True))
     return summary

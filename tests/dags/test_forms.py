@@ -9,6 +9,7 @@ the default cron, `TRAINING_SCHEDULE`, and the Asset that links register_dataset
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXED_CHOICES = ("model", "strategy", "precision", "comm_hook", "backend")
+FIXED_CHOICES = ("strategy", "precision", "comm_hook", "backend", "task", "gate_metric")
 
 PROBE = r"""
 import json, sys
@@ -80,6 +81,19 @@ def test_every_param_renders_as_a_clear_form_field(parsed):
                 assert "enum" in schema, f"{where}: fixed choices belong in an enum (a dropdown in the form)"
             checked += 1
     assert checked >= 20
+
+
+def test_model_suggests_the_built_ins_and_takes_a_factory_path(parsed):
+    """A string field with `examples`: Airflow's form renders a text input with the examples as a
+    datalist (suggestions), so a user can pick a built-in or type package.module:function."""
+    p = parsed["dags"]["distributed_training"]["params"]["model"]
+    schema = p["schema"]
+    assert schema["examples"] == ["mlp", "cnn", "transformer"] and "enum" not in schema
+    assert p["default"] == "mlp"
+    for ok in ("mlp", "transformer", "resmlp:residual_mlp", "my_team.models.tabular:build"):
+        assert re.match(schema["pattern"], ok), ok
+    for bad in ("resnet", "my_team.models", "a:b:c", "os.system('x'):y", ""):
+        assert not re.match(schema["pattern"], bad), bad
 
 
 def test_both_training_dags_share_one_form(parsed):

@@ -65,6 +65,9 @@ class LiveAirflow:
             AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT="60",
             MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false",
             AIRFLOW__LOGGING__LOGGING_LEVEL="INFO",
+            # A task whose worker died stops heart-beating; notice it within a minute, not five.
+            AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="40",
+            AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL="5",
         )
         env.update(extra)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), str(ROOT), env.get("PYTHONPATH")]))
@@ -83,10 +86,9 @@ class LiveAirflow:
             "dag-processor": ["dag-processor"],
             "triggerer": ["triggerer", "--skip-serve-logs"],
         }
-        for name, args in parts.items():
-            log = open(self.home / f"{name}.log", "ab")
-            self.procs[name] = subprocess.Popen([airflow, *args], env=self.env, cwd=ROOT, stdout=log,
-                                                stderr=subprocess.STDOUT, start_new_session=True)
+        self._parts = parts
+        for name in parts:
+            self._start_part(name)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive()
@@ -100,6 +102,24 @@ class LiveAirflow:
                 pass
             time.sleep(1)
         raise TimeoutError(f"api-server not healthy after {timeout}s; see {self.home}/api-server.log")
+
+    def _start_part(self, name: str) -> None:
+        airflow = str(Path(sys.executable).parent / "airflow")
+        log = open(self.home / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen([airflow, *self._parts[name]], env=self.env, cwd=ROOT, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def restart(self, name: str) -> None:
+        """Stop one part as a service manager does (SIGTERM to the part and everything it started,
+        SIGKILL after 30 s), then start it again."""
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self._start_part(name)
 
     def _check_alive(self) -> None:
         dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}

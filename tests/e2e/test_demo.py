@@ -5,6 +5,7 @@ print where to look."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -33,3 +34,13 @@ def test_make_demo_runs_the_pipeline_end_to_end(tmp_path):
     # rank 0's start-up reached the MLflow run through the train task (the relay)
     assert re.search(r"Start-up     : rank 0 at its first step [0-9.]+s after its process started \(imports", out)
     assert (tmp_path / "var" / "store").is_dir(), "the checkpoint was committed to the default store"
+    name = re.search(r"MLflow run   : (mlp-ddp-fp32-2ranks-(\d+)steps)  \(\w{32}\)", out)
+    assert name, out[-3000:]  # a readable name: what the run trains
+    # Every task's log is where the Airflow UI reads it (make airflow-up on the same home shows it).
+    run = next((tmp_path / "airflow" / "logs" / "dag_id=distributed_training").glob("run_id=*"))
+    logs = {}
+    for task in ("validate_data", "train", "upload_checkpoint", "evaluate", "register", "report"):
+        logs[task] = [json.loads(line) for line in (run / f"task_id={task}" / "attempt=1.log").read_text().splitlines()]
+        assert logs[task] and all({"timestamp", "level", "event"} <= set(r) for r in logs[task]), task
+    steps = name[2]
+    assert any(r["event"].startswith(f"step {steps}/{steps} | loss") for r in logs["train"]), logs["train"][-20:]

@@ -36,8 +36,12 @@ def test_a_rank_killed_in_every_try_fails_the_run_with_the_reason(airflow_db, da
     # torchrun's root cause, then what the surviving rank was doing when its peer died.
     assert tags["failure.reason"].startswith("torchrun exited with code 1: rank 1 exited with -9 (Signal 9 (SIGKILL)")
     assert "rank 0/2: forward/backward failed at step" in tags["failure.reason"]
+    # Which rank died (no error of its own), where its peer was waiting, each rank's last step.
+    assert tags["failure.rank"] == "1 (raised nothing: killed or hung)"
+    assert tags["failure.collective"] == "forward/backward"
+    assert tags["failure.last_steps"] == "rank 0: 3, rank 1: 3"
     logs = {a.path for a in client.list_artifacts(run.info.run_id, "failures")}
-    assert logs == {"failures/train-try1.log", "failures/train-try2.log"}
+    assert logs == {"failures/train-try1.log", "failures/train-try2.log", "failures/ranks.json"}
     tail = open(client.download_artifacts(run.info.run_id, "failures/train-try2.log")).read()
     assert "fault injection: rank 1 SIGKILLs itself after step 3" in tail
 
@@ -55,6 +59,7 @@ def test_a_success_after_a_failure_clears_the_record(tmp_root):
                "exception": RuntimeError("checkpoint upload failed: bucket 'x' does not exist\nmore detail")}
     lifecycle.on_retry(context)
     client = MlflowClient()
+    client.set_tag(run_id, "failure.rank", "1 (raised nothing: killed or hung)")  # as the launcher records it
     run = client.get_run(run_id)
     assert run.info.status == "RUNNING", "a retry follows: the run is still going"
     assert run.data.tags["failure.reason"] == "RuntimeError: checkpoint upload failed: bucket 'x' does not exist"

@@ -2,8 +2,9 @@
 trigger over REST, bad input refused, new data starting a run, a cleared task re-running into the
 same MLflow run, and comparing the runs afterwards through MlflowClient and `training compare`.
 
-The runs start together in one module fixture (different DAGs run side by side) to keep the wall
-time down; each test then waits for the part it checks.
+The runs start together in one session fixture (``live_runs`` in tests/e2e/conftest.py, shared
+with the web-UI tests; different DAGs run side by side) to keep the wall time down; each test then
+waits for the part it checks.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.e2e.conftest import EXPERIMENT, ON_DATA, REGISTER, STEPS, TRAIN
+from training.tracking import summary_of
+
 pytestmark = pytest.mark.slow
 
-TRAIN, ON_DATA, REGISTER = "distributed_training", "distributed_training_on_data", "register_dataset"
-EXPERIMENT = "distributed_training"  # the data-driven run records here too: one experiment to compare
 CORE = ("validate_data", "train", "upload_checkpoint", "evaluate", "register", "report")
-STEPS = 20
 
 
 def _mlflow_runs(dag_id: str, dag_run_id: str):
@@ -34,23 +35,8 @@ def _mlflow_runs(dag_id: str, dag_run_id: str):
 
 
 @pytest.fixture(scope="module")
-def started(live_airflow, dataset, tmp_root):
-    af = live_airflow
-    af.wait_for_dags(TRAIN, ON_DATA, REGISTER)
-    for dag_id in (TRAIN, ON_DATA, REGISTER):
-        af.unpause(dag_id)
-    conf = {"dataset_uri": str(dataset), "experiment": EXPERIMENT, "world_size": 1, "steps": STEPS,
-            "batch_size": 64, "checkpoint_every": 10, "store_uri": (tmp_root / "live-store").as_uri()}
-    rest = af.trigger(TRAIN, conf)
-    assert rest.status_code == 200, rest.text
-    # Valid for the form, but 33 does not split over 2 ranks: only the first task can tell.
-    bad = af.trigger(ON_DATA, {**conf, "world_size": 2, "batch_size": 33})
-    assert bad.status_code == 200, bad.text
-    landed = tmp_root / "data" / "landed"
-    register = af.trigger(REGISTER, {"dataset_uri": str(landed), "train_rows": 4_000, "val_rows": 1_000, "seed": 7})
-    assert register.status_code == 200, register.text
-    return {"rest": rest.json()["dag_run_id"], "bad": bad.json()["dag_run_id"],
-            "register": register.json()["dag_run_id"], "landed": landed}
+def started(live_runs):
+    return live_runs  # started once per session (tests/e2e/conftest.py), shared with the web-UI tests
 
 
 def test_invalid_conf_is_refused_with_400_and_no_run(live_airflow):
@@ -58,7 +44,8 @@ def test_invalid_conf_is_refused_with_400_and_no_run(live_airflow):
     af.wait_for_dags(TRAIN)
     before = len(af.runs(TRAIN))
     for conf, field, words in (({"world_size": 0}, "world_size", "less than the minimum of 1"),
-                               ({"model": "resnet9000"}, "model", "is not one of"),
+                               ({"strategy": "zero3"}, "strategy", "is not one of"),
+                               ({"model": "resnet9000"}, "model", "does not match"),
                                ({"lr": "fast"}, "lr", "is not of type 'number'"),
                                ({"experiment": "../etc"}, "experiment", "does not match")):
         r = af.trigger(TRAIN, conf)
@@ -133,9 +120,10 @@ def test_cleared_task_reruns_into_the_same_mlflow_run(live_airflow, started):
     (after,) = _mlflow_runs(TRAIN, run_id)  # still exactly one MLflow run
     assert after.info.run_id == before.info.run_id and after.info.status == "FINISHED"
     client = MlflowClient()
-    for name in ("eval/accuracy", "eval/loss", "pipeline/dag_wall_s", "train/loss"):
+    for name in ("eval/accuracy", "eval/loss", "train/loss"):
         steps = [m.step for m in client.get_metric_history(after.info.run_id, name)]
         assert steps and len(steps) == len(set(steps)), (name, steps)
+    assert summary_of(after)["dag_wall_s"] > 0  # a one-off figure: the run summary, overwritten by a re-run
     versions = client.search_model_versions(f"name = '{EXPERIMENT}' and run_id = '{after.info.run_id}'")
     assert len(versions) == 1, "the re-run evaluate registered nothing new"
     assert af.xcom(TRAIN, run_id, "register")["registry"]["version"] == str(versions[0].version)
@@ -170,8 +158,10 @@ def test_compare_the_runs_and_find_the_champion(live_airflow, started, tmp_path)
     assert set(one_rank[0].data.params) == set(two_ranks[0].data.params), "same params on every run"
     # The same names for the same figures on every run (2 ranks add per-rank and bandwidth figures).
     common = {"train/loss", "train/lr", "perf/samples_per_s", "perf/step_s", "comm/s_per_step", "eval/loss",
-              "eval/accuracy", "ckpt/upload_s", "pipeline/dag_wall_s", "pipeline/torchrun_wall_s"}
+              "eval/accuracy", "ckpt/save_s"}
     assert common <= set(one_rank[0].data.metrics) and common <= set(two_ranks[0].data.metrics)
+    figures = {"dag_wall_s", "torchrun_wall_s", "goodput"}  # one-off: the run summary
+    assert figures <= set(summary_of(one_rank[0])) and figures <= set(summary_of(two_ranks[0]))
 
     champion = client.get_model_version_by_alias(EXPERIMENT, "champion")
     source = client.get_run(champion.run_id)

@@ -4,6 +4,7 @@ MLflow on a SQLite store, and the checkpoint store on moto's S3 server over HTTP
 import hashlib
 import json
 import shutil
+from urllib.parse import quote
 
 import boto3
 import numpy as np
@@ -30,7 +31,7 @@ def _mlflow_run(dag_run, experiment):
 
 
 @pytest.mark.slow
-def test_full_pipeline_on_s3(airflow_db, dataset, s3_server, tmp_path):
+def test_full_pipeline_on_s3(airflow_db, dataset, s3_server, tmp_path, tmp_root):
     s3 = boto3.client("s3", endpoint_url=s3_server["endpoint"])
     s3.create_bucket(Bucket="checkpoints")
     conf = {"dataset_uri": str(dataset), "experiment": "e2e", "world_size": 2, "steps": STEPS, "batch_size": 64,
@@ -67,14 +68,69 @@ def test_full_pipeline_on_s3(airflow_db, dataset, s3_server, tmp_path):
     manifest = json.loads(s3.get_object(Bucket="checkpoints", Key=f"{prefix}/step_{STEPS:08d}/manifest.json")["Body"].read())
     assert manifest["step"] == STEPS and manifest["world_size"] == 2
     names = {f["path"] for f in manifest["files"]}
-    # DCP metadata + one shard and one RNG-state file per rank, the marker, the portable model.
-    assert names == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng_rank0.pt", "rng_rank1.pt", "COMPLETE",
+    # DCP metadata + one shard and one RNG-state file per rank, the portable model.
+    assert names == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng_rank0.pt", "rng_rank1.pt",
                      "model.safetensors", "model_config.json"}
     for f in manifest["files"]:
         body = s3.get_object(Bucket="checkpoints", Key=f"{prefix}/step_{STEPS:08d}/{f['path']}")["Body"].read()
         assert (len(body), hashlib.sha256(body).hexdigest()) == (f["size"], f["sha256"]), f["path"]
     latest = json.loads(s3.get_object(Bucket="checkpoints", Key=f"{prefix}/latest")["Body"].read())
     assert latest["step_dir"] == f"step_{STEPS:08d}"
+    # The ranks committed every checkpoint to the bucket themselves (checkpoint_location=store), and
+    # retention kept the last 3: nothing of them lives on the worker's disk.
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="checkpoints", Prefix=f"{prefix}/")["Contents"]]
+    assert {k.split("/")[3] for k in keys if "/step_" in k} == {"step_00000100", "step_00000150", "step_00000200"}
+    assert all(f"{prefix}/step_{s:08d}/manifest.json" in keys for s in (100, 150, 200))
+    assert not (tmp_root / "var" / "work" / run.info.run_id / "checkpoints").exists()
+    assert [h.step for h in client.get_metric_history(run.info.run_id, "ckpt/save_s")] == [50, 100, 150, 200]
+    _reads_back_as_a_person_would(client, run, dataset)
+
+
+@pytest.mark.slow
+def test_a_missing_bucket_stops_the_run_before_training(airflow_db, dataset, s3_server, tmp_root):
+    dag_run = load_dag("distributed_training").test(
+        run_conf={"dataset_uri": str(dataset), "experiment": "e2e-nobucket", "steps": 5, "store_uri": "s3://nope/team"})
+    states = _ti_states(dag_run)
+    assert states["validate_data"] == "failed" and states["train"] == "upstream_failed", states
+    ti = next(t for t in dag_run.get_task_instances() if t.task_id == "validate_data")
+    assert ti.try_number == 1, "bad input fails without retries"
+
+
+def _reads_back_as_a_person_would(client, run, dataset):
+    """The MLflow run read back with MlflowClient: what its page, the runs table and compare show."""
+    rid, tags, params = run.info.run_id, run.data.tags, run.data.params
+    assert run.info.run_name == f"mlp-ddp-fp32-2ranks-{STEPS}steps"  # readable; the Airflow run id is a tag
+    assert tags["airflow.url"].endswith(quote(tags["airflow.dag_run_id"], safe=""))
+    (data,) = run.inputs.dataset_inputs  # the Dataset column: name and fingerprint, with the schema
+    assert (data.dataset.name, data.dataset.digest) == ("teacher", tags["data.fingerprint"][:32])
+    assert [c["name"] for c in json.loads(data.dataset.schema)["mlflow_colspec"]][-1] == "label"
+    # Params are what a person chose: no path or hash that differs for every run by construction.
+    assert not {"checkpoint_dir", "output_dir", "config_hash", "perf/peak_flops", "perf/peak_source"} & set(params)
+    assert not [k for k, v in params.items() if rid in v or "/work/" in v], params
+    assert rid in tags["checkpoint_dir"] and tags["config_hash"] and tags["perf/peak_flops"]
+    # One-off figures are the run summary (file + headline tags), not single-point metric charts.
+    assert not {"goodput", "pipeline/dag_wall_s", "ckpt/upload_s", "time_to_target_s"} & set(run.data.metrics)
+    summary = json.loads(open(client.download_artifacts(rid, "summary.json")).read())
+    assert summary["dag_wall_s"] > summary["torchrun_wall_s"] > 0 and 0 < summary["goodput"] <= 1
+    assert float(tags["summary.dag_wall_s"]) == pytest.approx(summary["dag_wall_s"], rel=1e-7)
+    assert tags["progress"] == f"{STEPS}/{STEPS} steps (100%)"
+    files = {a.path for d in ("", "plots", "evaluation", "logs") for a in client.list_artifacts(rid, d or None)}
+    assert {"plots/loss_eval.png", "plots/throughput_step_time.png", "evaluation/report.html",
+            "evaluation/confusion_matrix.png", "evaluation/report.json", "logs/train.log", "train_config.json",
+            "data_gate.html", "summary.json", "data_validation.json"} <= files, files
+    config = json.loads(open(client.download_artifacts(rid, "train_config.json")).read())
+    assert config["steps"] == STEPS and config["checkpoint_dir"] == tags["checkpoint_dir"]
+    assert f"step {STEPS}/{STEPS} | loss" in open(client.download_artifacts(rid, "logs/train.log")).read()
+    report = json.loads(open(client.download_artifacts(rid, "evaluation/report.json")).read())
+    assert report["task"] == "classification" and len(report["classes"]) == 4
+    assert report["accuracy"] == pytest.approx(run.data.metrics["eval/accuracy"], abs=1e-9)
+    assert sum(map(sum, report["confusion_matrix"])) == report["rows"] == 2_000
+    # The description, the first thing the run's page shows: status, the link back, figures, plots.
+    note = tags["mlflow.note.content"]
+    assert note.startswith("**FINISHED**") and f"]({tags['airflow.url']})" in note
+    assert "plots/loss_eval.png" in note and "**Registry:**" in note and "champion" in note
+    # System metrics even in a run of a few seconds.
+    assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics)
 
 
 @pytest.mark.slow
@@ -87,8 +143,11 @@ def test_bad_data_stops_the_run_before_training(airflow_db, dataset, tmp_path, t
     df.loc[100:102, "label"] = 9
     pq.write_table(pa.Table.from_pandas(df, preserve_index=False), path)
 
-    dag_run = load_dag("distributed_training").test(
-        run_conf={"dataset_uri": str(bad), "experiment": "e2e-bad", "steps": 5, "store_uri": (tmp_path / "s").as_uri()})
+    from training_airflow.inprocess_logs import log_path, task_logs_to_files
+
+    with task_logs_to_files():  # as make demo runs it: each task's log where the Airflow UI reads it
+        dag_run = load_dag("distributed_training").test(
+            run_conf={"dataset_uri": str(bad), "experiment": "e2e-bad", "steps": 5, "store_uri": (tmp_path / "s").as_uri()})
 
     states = _ti_states(dag_run)
     assert states["validate_data"] == "failed"
@@ -99,6 +158,10 @@ def test_bad_data_stops_the_run_before_training(airflow_db, dataset, tmp_path, t
     verdict = json.loads(open(client.download_artifacts(run.info.run_id, "data_validation.json")).read())
     assert "train: expect_column_values_to_not_be_null(f5): 50 bad values" in verdict["failures"]
     assert any(f.startswith("train: expect_column_values_to_be_in_set(label): 3 bad values") for f in verdict["failures"])
+    (ti,) = [t for t in dag_run.get_task_instances() if t.task_id == "validate_data"]
+    events = [json.loads(line)["event"] for line in log_path(ti).read_text().splitlines()]
+    assert any("train: expect_column_values_to_not_be_null(f5): 50 bad values" in e for e in events), events
+    assert any(e.startswith("Task failed") for e in events), "the failed task's reason is in its log"
     # No rank ever started: the train task never created its work folder.
     assert not (tmp_root / "var" / "work" / run.info.run_id).exists()
     assert not (tmp_path / "s").exists()

@@ -21,8 +21,8 @@ def test_evaluate_task_falls_back_and_says_so(dataset, tmp_path, capfd, caplog):
     step5 = tmp_path / "ckpt" / "step_00000005"
     step10 = tmp_path / "copy" / "step_00000010"
     shutil.copytree(step5, step10)
-    marker = json.loads((step10 / "COMPLETE").read_text())
-    (step10 / "COMPLETE").write_text(json.dumps({**marker, "step": 10}))
+    manifest = json.loads((step10 / "manifest.json").read_text())
+    (step10 / "manifest.json").write_text(json.dumps({**manifest, "step": 10}))
 
     from training.tracking import open_run
     from training_airflow import settings, tasks

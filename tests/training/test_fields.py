@@ -24,6 +24,8 @@ def _other_value(spec):
         return not spec.default
     if spec.kind == "object":
         return {"A": "b c"}
+    if spec.kind == "json":
+        return {"width": 64, "blocks": [1, 2.5], "act": {"name": "gelu", "approx": None}}
     return "some/path with space"
 
 
@@ -68,6 +70,17 @@ def test_a_config_file_from_an_older_version_still_loads(tmp_path):
     assert not load_train_config(path).has_target
 
 
-def test_only_pipeline_paths_are_kept_out_of_the_form():
+def test_only_what_the_pipeline_sets_is_kept_out_of_the_form():
     hidden = {f.name for f in dataclasses.fields(TrainConfig) if not f.metadata["form"]}
-    assert hidden == {"checkpoint_dir", "output_dir"}
+    assert hidden == {"checkpoint_dir", "output_dir", "dataset_fingerprint"}
+
+
+def test_model_args_take_any_json_object_and_nothing_else():
+    cfg = load_train_config(None, ["dataset_uri=/d", 'model_args={"width": 8, "blocks": [1, 2]}'])
+    assert cfg.model_args == {"width": 8, "blocks": [1, 2]}
+    assert json_schema(specs(TrainConfig)["model_args"])["type"] == "object"
+    for bad in ("[1, 2]", "width=8"):
+        with pytest.raises(ConfigError, match="'model_args'.*not a JSON object"):
+            load_train_config(None, ["dataset_uri=/d", f"model_args={bad}"])
+    with pytest.raises(ConfigError, match="'model_args'"):
+        TrainConfig(dataset_uri="/d", model_args={"x": float("nan")})

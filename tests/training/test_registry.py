@@ -62,6 +62,23 @@ def test_decide_applies_the_margin():
     assert registry.decide(0.80, 0.80, 0.0)[0] == "challenger", "a tie does not take the alias"
 
 
+def test_the_gate_compares_on_the_tasks_metric_in_its_direction():
+    from training.fields import ConfigError
+
+    assert registry.gate_metric("auto", "classification") == "eval/accuracy"
+    assert registry.gate_metric("auto", "regression") == "eval/r2"
+    assert registry.gate_metric("eval/loss", "regression") == "eval/loss"
+    with pytest.raises(ConfigError, match="'gate_metric': eval/accuracy is not measured for regression"):
+        registry.gate_metric("eval/accuracy", "regression")
+    # R² rises, an RMSE falls; either must move by more than the margin.
+    assert registry.decide(0.70, 0.60, 0.05, "eval/r2")[0] == "champion"
+    assert registry.decide(0.62, 0.60, 0.05, "eval/r2")[0] == "challenger"
+    decision, reason = registry.decide(40.0, 50.0, 5.0, "eval/rmse")
+    assert decision == "champion" and reason.startswith("eval/rmse 40.0000 beats the champion's 50.0000")
+    assert registry.decide(47.0, 50.0, 5.0, "eval/rmse")[0] == "challenger"
+    assert registry.decide(55.0, 50.0, 0.0, "eval/rmse")[0] == "challenger"
+
+
 @pytest.mark.slow
 def test_champion_and_challenger(dataset, tmp_path):
     name = "gate-test"
@@ -93,7 +110,7 @@ def test_champion_and_challenger(dataset, tmp_path):
     run3 = client.get_run(weak2_run)
     assert run3.data.tags["registry.decision"] == "challenger"
     assert "does not beat" in run3.data.tags["registry.reason"]
-    assert "challenger" in run3.data.tags["mlflow.note.content"]
+    assert run3.data.tags["registry.aliases"].startswith(f"champion v2 (eval/accuracy {strong_acc:.4f}); challenger v")
 
     # A retried evaluate task registers nothing new and keeps the decision.
     again = registry.register_and_gate(
@@ -106,10 +123,40 @@ def test_champion_and_challenger(dataset, tmp_path):
     champion = client.get_model_version_by_alias(name, "champion")
     assert str(champion.version) == "2" and champion.run_id == strong_run
     assert client.get_run(champion.run_id).data.metrics["eval/accuracy"] == pytest.approx(strong_acc)
-    assert client.get_model_version_by_alias(name, "challenger").run_id == weak2_run
+    # The challenger is the better of the two models that are not the champion.
+    best_other = weak2_run if weak2_acc >= weak_acc else weak_run
+    assert client.get_model_version_by_alias(name, "challenger").run_id == best_other
     loaded = mlflow.pyfunc.load_model(f"models:/{name}@champion")
     inputs = loaded.metadata.get_input_schema().inputs[0]
     assert inputs.shape == (-1, 16) and inputs.type == np.dtype("float32")
     val = load_split(dataset, "validation")
     predicted = np.asarray(loaded.predict(val.features)).argmax(axis=1)
     assert (predicted == val.labels).mean() == pytest.approx(strong_acc, abs=1e-6), "the registered model is the scored one"
+
+
+def test_challenger_is_the_best_version_that_is_not_the_champion(tmp_path):
+    """Not whichever model lost last: a smoke test far below the runner-up leaves the alias alone,
+    and a dethroned champion becomes the challenger when it is the best of the rest."""
+    client, name = MlflowClient(), "challenger-rule"
+    client.create_registered_model(name)
+
+    def version(accuracy: float) -> str:
+        return str(client.create_model_version(name, source=(tmp_path / "m").as_uri(),
+                                               tags={"eval/accuracy": str(accuracy)}).version)
+
+    def alias(which: str) -> str:
+        return str(client.get_model_version_by_alias(name, which).version)
+
+    first = version(0.90)
+    client.set_registered_model_alias(name, "champion", first)
+    assert registry.update_challenger(client, name) == "champion v1 (eval/accuracy 0.9000)"
+    runner_up = version(0.85)
+    assert registry.update_challenger(client, name) == ("champion v1 (eval/accuracy 0.9000); "
+                                                         "challenger v2 (eval/accuracy 0.8500)")
+    version(0.40)  # a 20-step smoke test loses later
+    registry.update_challenger(client, name)
+    assert alias("challenger") == runner_up
+    best = version(0.95)
+    client.set_registered_model_alias(name, "champion", best)
+    registry.update_challenger(client, name)
+    assert (alias("champion"), alias("challenger")) == (best, first)

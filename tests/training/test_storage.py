@@ -5,17 +5,13 @@ import json
 import boto3
 import pytest
 
+from tests.conftest import local_checkpoint
 from training.config import ConfigError
 from training.storage import MANIFEST, StoreError, fetch_checkpoint, open_store, sha256_file, upload_checkpoint
 
 
 def _fake_checkpoint(root, step, payload=b"weights"):
-    d = root / f"step_{step:08d}"
-    d.mkdir(parents=True)
-    (d / "__0_0.distcp").write_bytes(payload * 1000)
-    (d / "model.safetensors").write_bytes(payload[::-1] * 10)
-    (d / "COMPLETE").write_text(json.dumps({"step": step, "world_size": 2, "config_hash": "abc"}))
-    return d
+    return local_checkpoint(root, step, {"__0_0.distcp": payload * 1000, "model.safetensors": payload[::-1] * 10})
 
 
 def test_commit_layout_and_manifest(tmp_path):
@@ -27,7 +23,7 @@ def test_commit_layout_and_manifest(tmp_path):
     for f in manifest["files"]:
         assert sha256_file(base / "step_00000300" / f["path"]) == f["sha256"]
     assert json.loads((base / "latest").read_text())["step_dir"] == "step_00000300"
-    assert c.uploaded == 3 and c.skipped == 0
+    assert c.uploaded == 2 and c.skipped == 0
 
 
 def test_reupload_skips_and_never_overwrites(tmp_path):
@@ -35,17 +31,22 @@ def test_reupload_skips_and_never_overwrites(tmp_path):
     ck = _fake_checkpoint(tmp_path / "local", 5)
     upload_checkpoint(ck, store, experiment="e", run_id="r")
     again = upload_checkpoint(ck, store, experiment="e", run_id="r")
-    assert (again.uploaded, again.skipped) == (0, 3)
-    (ck / "model.safetensors").write_bytes(b"different")
+    assert (again.uploaded, again.skipped) == (0, 2)
+    other = _fake_checkpoint(tmp_path / "other", 5, payload=b"different")  # the same step, other bytes
     with pytest.raises(StoreError, match="already committed with different content"):
-        upload_checkpoint(ck, store, experiment="e", run_id="r")
+        upload_checkpoint(other, store, experiment="e", run_id="r")
 
 
-def test_incomplete_local_checkpoint_is_refused(tmp_path):
+def test_incomplete_or_damaged_local_checkpoint_is_refused(tmp_path):
     ck = _fake_checkpoint(tmp_path / "local", 5)
-    (ck / "COMPLETE").unlink()
-    with pytest.raises(StoreError, match="COMPLETE"):
+    (ck / MANIFEST).unlink()
+    with pytest.raises(StoreError, match="has no manifest.json: the save was interrupted"):
         upload_checkpoint(ck, (tmp_path / "s").as_uri(), experiment="e", run_id="r")
+    ck = _fake_checkpoint(tmp_path / "local2", 6)
+    (ck / "model.safetensors").write_bytes(b"changed on the worker's disk")
+    with pytest.raises(StoreError, match="step_00000006/model.safetensors has 28 bytes, its manifest says 70"):
+        upload_checkpoint(ck, (tmp_path / "s").as_uri(), experiment="e", run_id="r")
+    assert not (tmp_path / "s").exists(), "nothing of a damaged checkpoint is published"
 
 
 def test_corrupt_newest_falls_back_to_previous(tmp_path):
@@ -82,7 +83,7 @@ def test_s3_roundtrip_over_http(tmp_path, s3_server):
     assert c.uri == "s3://ckpt/team-a/e/r/step_00000042"
     keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="ckpt")["Contents"])
     assert keys == ["team-a/e/r/latest", *[f"team-a/e/r/step_00000042/{n}" for n in
-                    ("COMPLETE", "__0_0.distcp", MANIFEST, "model.safetensors")]]
+                    ("__0_0.distcp", MANIFEST, "model.safetensors")]]
     again = upload_checkpoint(ck, "s3://ckpt/team-a", experiment="e", run_id="r")
     assert again.uploaded == 0
     local, manifest, warnings = fetch_checkpoint("s3://ckpt/team-a", experiment="e", run_id="r", dest=tmp_path / "dl")

@@ -21,7 +21,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from tests.conftest import free_port, wait_for_port
+from tests.conftest import free_port, local_checkpoint, wait_for_port
 from training.config import ConfigError
 from training.storage import (
     LATEST,
@@ -83,37 +83,26 @@ def moto(tmp_path, monkeypatch, fast_retries):
 
 
 def _checkpoint(root: Path, step: int, *, big_mb: int = 0, payload: bytes = b"w") -> Path:
-    d = root / f"step_{step:08d}"
-    d.mkdir(parents=True)
-    (d / "__0_0.distcp").write_bytes(payload * 5000 + str(step).encode())
-    (d / "model.safetensors").write_bytes(payload * 700 + str(step).encode())
+    files = {"__0_0.distcp": payload * 5000 + str(step).encode(), "model.safetensors": payload * 700 + str(step).encode()}
     if big_mb:
-        with open(d / "__1_0.distcp", "wb") as f:
-            for _ in range(big_mb):
-                f.write(os.urandom(1 << 20))
-    (d / "COMPLETE").write_text(json.dumps({"step": step, "world_size": 2, "config_hash": "abc"}))
-    return d
+        files["__1_0.distcp"] = os.urandom(big_mb << 20)
+    return local_checkpoint(root, step, files)
 
 
-def _kill_after_first_part(server: Moto, how: signal.Signals, done: threading.Event) -> threading.Thread:
-    """Watch the server from the side; once one part of a multipart upload is stored, signal it."""
-    watcher = server.client()
+def _kill_after_first_part(server: Moto, how: signal.Signals, done: threading.Event) -> None:
+    """Signal the server right after it stored the first part of a multipart upload: a handler on
+    botocore's own event of a completed UploadPart call, in the uploading client (the store's
+    clients come from boto3's default session). Deterministic: the upload never outruns it, however
+    busy the machine is (a watcher polling the server from the side could be starved)."""
+    import boto3
 
-    def run() -> None:
-        while not done.is_set():
-            try:
-                ups = watcher.list_multipart_uploads(Bucket="ckpt").get("Uploads", [])
-                if ups and watcher.list_parts(Bucket="ckpt", Key=ups[0]["Key"], UploadId=ups[0]["UploadId"]).get("Parts"):
-                    os.kill(server.proc.pid, how)
-                    done.set()
-                    return
-            except Exception:
-                pass
-            time.sleep(0.01)
+    def after_part(**_kwargs) -> None:
+        if not done.is_set():
+            done.set()
+            os.kill(server.proc.pid, how)
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    boto3.setup_default_session()
+    boto3.DEFAULT_SESSION.events.register("after-call.s3.UploadPart", after_part)
 
 
 @pytest.fixture
@@ -154,7 +143,7 @@ def test_server_killed_mid_multipart_upload(moto, tmp_path, slow_parts, monkeypa
     try:
         again.client().create_bucket(Bucket="ckpt")
         c = upload_checkpoint(big, STORE, experiment="e", run_id="r")
-        assert c.uploaded == 4
+        assert c.uploaded == 3
         latest = json.loads(again.client().get_object(Bucket="ckpt", Key=f"{PREFIX}/{LATEST}")["Body"].read())
         assert latest["step_dir"] == "step_00000200"
         local, manifest, warnings = fetch_checkpoint(STORE, experiment="e", run_id="r", dest=tmp_path / "dl")
@@ -186,7 +175,7 @@ def test_server_stalled_mid_multipart_upload_keeps_latest_on_the_good_checkpoint
 
     # The retry skips what is already there and commits step 200.
     c = upload_checkpoint(big, STORE, experiment="e", run_id="r")
-    assert c.skipped == len(keys) and c.uploaded == 4 - len(keys)
+    assert c.skipped == len(keys) and c.uploaded == 3 - len(keys)
     assert json.loads(s3.get_object(Bucket="ckpt", Key=f"{PREFIX}/{LATEST}")["Body"].read())["step_dir"] == "step_00000200"
 
 
@@ -254,17 +243,15 @@ def test_reupload_twice_same_objects_no_duplicates(moto, tmp_path):
     after = objects()
     assert sorted(after) == sorted(before) == sorted(
         [f"{PREFIX}/{LATEST}"] + [f"{PREFIX}/step_00000300/{n}" for n in
-                                   ("COMPLETE", "__0_0.distcp", "__1_0.distcp", MANIFEST, "model.safetensors")])
+                                   ("__0_0.distcp", "__1_0.distcp", MANIFEST, "model.safetensors")])
     assert {k: v for k, v in after.items() if not k.endswith(LATEST)} == {k: v for k, v in before.items() if not k.endswith(LATEST)}
     assert s3.list_multipart_uploads(Bucket="ckpt").get("Uploads", []) == []
 
 
 def test_changed_bytes_never_overwrite_a_committed_checkpoint(moto, tmp_path):
-    ck = _checkpoint(tmp_path / "l", 5)
-    upload_checkpoint(ck, STORE, experiment="e", run_id="r")
-    (ck / "model.safetensors").write_bytes(b"different")
+    upload_checkpoint(_checkpoint(tmp_path / "l", 5), STORE, experiment="e", run_id="r")
     with pytest.raises(StoreError, match="already committed with different content"):
-        upload_checkpoint(ck, STORE, experiment="e", run_id="r")
+        upload_checkpoint(_checkpoint(tmp_path / "l2", 5, payload=b"different"), STORE, experiment="e", run_id="r")
     body = moto.client().get_object(Bucket="ckpt", Key=f"{PREFIX}/step_00000005/model.safetensors")["Body"].read()
     assert body != b"different"
 
@@ -318,7 +305,7 @@ def test_settings_handed_to_the_store_override_the_environment(moto, tmp_path, m
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # dead
     env = {"AWS_ENDPOINT_URL": moto.endpoint, "AWS_ACCESS_KEY_ID": "conn-key", "AWS_SECRET_ACCESS_KEY": "conn-secret"}
     c = upload_checkpoint(_checkpoint(tmp_path / "l", 7), STORE, experiment="e", run_id="r", env=env)
-    assert c.uploaded == 3
+    assert c.uploaded == 2
     _, manifest, _ = fetch_checkpoint(STORE, experiment="e", run_id="r", dest=tmp_path / "dl", env=env)
     assert manifest["step"] == 7
 
@@ -354,3 +341,31 @@ def test_retention_keeps_last_best_and_latest(tmp_path, backend, request):
     assert apply_retention(store, experiment="e", run_id="r", keep_last=0).deleted == []
     with pytest.raises(ConfigError, match="retention_keep_last"):
         apply_retention(store, experiment="e", run_id="r", keep_last=-1)
+
+
+# --------------------------------------------------------------------------- streams (what the ranks write)
+
+
+@pytest.mark.parametrize("backend", ["file", "s3"])
+def test_a_stream_lands_whole_or_not_at_all(tmp_path, backend, request, monkeypatch):
+    """``open_write`` is how each rank writes its shard: S3 uploads it in parts while it is being
+    written (5 MiB parts here, so 12 MiB is a multipart upload); a writer that fails half-way
+    leaves no object and no open multipart upload behind."""
+    if backend == "s3":
+        moto = request.getfixturevalue("moto")
+        monkeypatch.setenv("TRAINING_S3_PART_SIZE_MB", "5")
+        store = open_store(STORE)
+    else:
+        store = open_store((tmp_path / "store").as_uri())
+    data = os.urandom(12 << 20)
+    with store.open_write("e/r/step_00000001/__0_0.distcp") as f:
+        for i in range(0, len(data), 1 << 20):
+            f.write(data[i : i + (1 << 20)])
+    assert store.get_bytes("e/r/step_00000001/__0_0.distcp") == data
+    with pytest.raises(RuntimeError, match="serializing failed"):
+        with store.open_write("e/r/step_00000001/__1_0.distcp") as f:
+            f.write(data[: 11 << 20])
+            raise RuntimeError("serializing failed")
+    assert store.list_keys("e/r/step_00000001") == ["e/r/step_00000001/__0_0.distcp"]
+    if backend == "s3":
+        assert moto.client().list_multipart_uploads(Bucket="ckpt").get("Uploads", []) == []

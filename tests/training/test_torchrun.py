@@ -24,9 +24,12 @@ def test_two_ranks_stay_identical_after_every_step(dataset, tmp_path):
     assert [int(s) for s in re.findall(r"^step (\d+)/12 ", out.stdout, re.M)] == [4, 8, 12]
     # Periodic checkpoints at 5 and 10, and the final one with the exported model.
     ck = tmp_path / "ck"
-    assert sorted(p.name for p in ck.iterdir()) == ["step_00000005", "step_00000010", "step_00000012"]
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_00000005", "step_00000010", "step_00000012"]
     final = ck / "step_00000012"
-    assert (final / "COMPLETE").exists() and len(list(final.glob("*.distcp"))) == 2
+    assert json.loads((ck / "latest").read_text())["step_dir"] == final.name
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert {f["path"] for f in manifest["files"]} == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng_rank0.pt",
+                                                      "rng_rank1.pt", "model.safetensors", "model_config.json"}
     weights = load_file(str(final / "model.safetensors"))
     assert "net.0.weight" in weights  # plain module names, no DDP "module." prefix
     summary = json.loads((tmp_path / "out" / "train_summary.json").read_text())

@@ -155,14 +155,14 @@ def test_corrupt_parquet_footer(clean, tmp_path):
 
 def test_missing_dataset_is_a_clear_error(tmp_path):
     assert _failures(tmp_path / "nowhere") == [
-        f"dataset.json: {tmp_path / 'nowhere' / 'dataset.json'} not found: dataset_uri must be a folder written by "
-        "`python -m training make-data`"]
+        f"config field 'dataset_uri': {tmp_path / 'nowhere'} does not exist. Fix: give an existing folder, Parquet "
+        "file or s3:// prefix"]
 
 
 def test_missing_split_folder(clean, tmp_path):
     bad = _copy(clean, tmp_path / "bad")
     shutil.rmtree(bad / "validation")
-    assert _failures(bad) == [f"validation: no Parquet files under {bad / 'validation'}"]
+    assert _failures(bad) == [f"validation: no Parquet files under {bad / 'validation'} (nor {bad / 'val'})"]
 
 
 def test_duplicate_rows_beyond_the_bound(clean, tmp_path):
@@ -259,33 +259,38 @@ def test_cli_uses_the_schema_minimum_and_builds_docs(clean, tmp_path):
 
 
 def test_a_passed_verdict_is_reused_until_the_data_schema_or_suite_changes(clean, tmp_path, monkeypatch):
-    """validate_cached: the second gate on the same bytes returns the first verdict (and its Data
-    Docs) without running GX; new data, a changed dataset.json or another min_rows run it again;
-    a failed verdict is never kept."""
+    """gate_cached: the second gate on the same bytes returns the first verdict (and its Data
+    Docs) without running GX; new data, a changed dataset.json, other data options or another
+    min_rows run it again; a failed verdict is never kept."""
     import training.validation as v
-    from training.validation import validate_cached
+    from training.tables import DataOptions
+    from training.validation import gate_cached
 
     runs = []
-    monkeypatch.setattr(v, "validate", lambda *a, **kw: runs.append(a) or validate(*a, **kw))
+    real_gate = v.gate
+    monkeypatch.setattr(v, "gate", lambda *a, **kw: runs.append(a) or real_gate(*a, **kw))
     data, cache = _copy(clean, tmp_path / "d"), tmp_path / "cache"
 
-    first = validate_cached(str(data), cache_dir=cache, docs_dir=tmp_path / "docs1")
-    again = validate_cached(str(data), cache_dir=cache, docs_dir=tmp_path / "docs2")
+    first, _ = gate_cached(str(data), cache_dir=cache, docs_dir=tmp_path / "docs1")
+    again, ds = gate_cached(str(data), cache_dir=cache, docs_dir=tmp_path / "docs2")
     assert len(runs) == 1 and "cached_from" not in first
     assert again["cached_from"]["validated_unix"] > 0 and again["cached_from"]["dataset_uri"] == str(data)
     assert {k: again[k] for k in ("success", "rows", "files", "fingerprint", "schema")} == \
         {k: first[k] for k in ("success", "rows", "files", "fingerprint", "schema")}
+    assert ds.fingerprint == first["fingerprint"], "the opened dataset comes back with the kept verdict"
     assert again["data_docs"] == str(tmp_path / "docs2" / "index.html") and (tmp_path / "docs2" / "index.html").is_file()
     assert len(sorted((tmp_path / "docs2" / "validations").rglob("*.html"))) == 2  # the first run's pages
 
-    assert validate_cached(str(data), cache_dir=cache, min_rows=400)["success"] and len(runs) == 2
+    assert gate_cached(str(data), cache_dir=cache, min_rows=400)[0]["success"] and len(runs) == 2
+    gate_cached(str(data), cache_dir=cache, options=DataOptions(task="classification"))
+    assert len(runs) == 3, "other data options: another verdict"
     meta = json.loads((data / "dataset.json").read_text())
     (data / "dataset.json").write_text(json.dumps({**meta, "label_noise": 0.2}))  # the schema's file changed
-    validate_cached(str(data), cache_dir=cache)
-    assert len(runs) == 3
+    gate_cached(str(data), cache_dir=cache)
+    assert len(runs) == 4
 
     bad = _rewrite(clean, tmp_path / "bad", "train", lambda df: df.assign(f1=df["f1"].where(df.index >= 4)))
     for _ in range(2):
         with pytest.raises(DataValidationError):
-            validate_cached(str(bad), cache_dir=cache)
-    assert len(runs) == 5, "a failed verdict is not kept: the gate runs each time"
+            gate_cached(str(bad), cache_dir=cache)
+    assert len(runs) == 6, "a failed verdict is not kept: the gate runs each time"

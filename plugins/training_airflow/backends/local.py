@@ -5,10 +5,15 @@ Task group ``local`` (task ids kept as they were before the groups: ``train``, `
 - ``train``: writes the run's ``train_config.json`` and starts ``torchrun --nproc-per-node
   world_size`` in its own process group; every output line goes to the task log, except rank 0's
   relayed MLflow calls, which this task applies to the run (``training.tracking.RelayReceiver``,
-  so the ranks never load MLflow); a non-zero exit fails the task with the failing rank's error. A retry resumes from the latest local checkpoint
-  (the work folder is keyed by the MLflow run id).
-- ``upload_checkpoint``: commits the final checkpoint folder to the store (objects, manifest,
-  then ``latest``) and hands on the ``Handoff``.
+  so the ranks never load MLflow); a non-zero exit fails the task with the failing rank's error.
+  With ``checkpoint_location=store`` (the default) the ranks commit every checkpoint straight to
+  ``{store_uri}/{experiment}/{mlflow run id}``, so a retry resumes from the store on any worker,
+  even one with an empty disk; with ``local`` they write to the work folder (keyed by the MLflow
+  run id) and a retry resumes only on this worker.
+- ``upload_checkpoint``: hands on the ``Handoff`` of the committed final checkpoint. In the store
+  case the ranks committed it already: the task reads ``latest`` back and checks it names the
+  final step. In the local case it commits the final checkpoint folder (objects, manifest, then
+  ``latest``).
 
 torchrun is the launcher; this module only builds its command line (``training.launch``), forwards
 its output and makes sure no rank outlives the task.
@@ -26,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from airflow.sdk import TaskGroup, task
 
@@ -167,9 +173,33 @@ def failure_reason(result: LaunchResult) -> str:
     return f"torchrun exited with code {result.returncode}: " + "; ".join(parts)
 
 
+def record_ranks(run_id: str, output_dir: Path) -> dict[str, str]:
+    """After a failed launch: each rank's last completed step (its heartbeat) and what it was doing
+    when it failed, as tags and ``failures/ranks.json`` in the MLflow run. A rank with a heartbeat
+    and no failure record raised nothing: it was killed or it hung; its peers' records name the
+    collective they were waiting in."""
+    from training.resilience import RankRecord
+
+    ranks = RankRecord.read(output_dir)
+    if not ranks:
+        return {}
+    silent = [r for r in ranks if r["failure"] is None]
+    phases = sorted({r["failure"]["phase"] for r in ranks if r["failure"]})
+    tags = {"failure.last_steps": ", ".join(f"rank {r['rank']}: {r['last_step']}" for r in ranks),
+            "failure.rank": ", ".join(str(r["rank"]) for r in (silent or ranks)),
+            "failure.collective": ", ".join(phases) or "none recorded"}
+    if silent:
+        tags["failure.rank"] += " (raised nothing: killed or hung)"
+    logger = context.run_logger(run_id)
+    logger.set_tags(tags)
+    logger.log_text(json.dumps(ranks, indent=2), "failures/ranks.json")
+    log.error("ranks at the failure: %s", "; ".join(f"{k}={v}" for k, v in tags.items()))
+    return tags
+
+
 @fails_fast
 def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
-    """Start torchrun with ``world_size`` ranks; a retry resumes from the latest local checkpoint."""
+    """Start torchrun with ``world_size`` ranks; a retry resumes from the newest checkpoint that verifies."""
     from training.launch import torchrun_command
     from training.tracking import RELAY_ENV
     from training.util import free_port
@@ -177,8 +207,8 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
     settings.ensure_tracking_uri()
     run_id = opened["mlflow_run_id"]
     run_dir = context.work_dir(run_id)
-    cfg = context.train_config(params, dataset_uri=opened["dataset_uri"], checkpoint_dir=str(run_dir / "checkpoints"),
-                               output_dir=str(run_dir / "output"))
+    cfg = context.train_config(params, dataset_uri=opened["dataset_uri"], checkpoint_dir=checkpoint_dir(params, run_id),
+                               output_dir=str(run_dir / "output"), dataset_fingerprint=opened["dataset_fingerprint"])
     cfg.check_device(cuda_available())  # the ranks run on this machine: refuse what it cannot do
     config_path = run_dir / "train_config.json"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -187,39 +217,61 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
     nproc = int(params["world_size"])
     cmd = torchrun_command(["--config", str(config_path)], nproc_per_node=nproc,
                            max_restarts=int(params["max_restarts"]), master_port=free_port())
-    # S3 settings of aws_conn_id (if any) travel as environment of the ranks, never as arguments.
-    # Rank 0's MLflow calls come back through stdout and are applied by this process's client.
+    # S3 settings of aws_conn_id (if any) travel as environment of the ranks, never as arguments:
+    # the ranks read an s3:// dataset with them too. Rank 0's MLflow calls come back through
+    # stdout and are applied by this process's client.
     env = rank_env(nproc, {**context.store_env(params), "MLFLOW_RUN_ID": run_id,
                            "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"], RELAY_ENV: "stdout"})
     result = run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT, relay_run_id=run_id)
     if result.returncode != 0:
+        record_ranks(run_id, run_dir / "output")
         raise explain_failure(result)
 
     summary = json.loads((run_dir / "output" / "train_summary.json").read_text())
-    context.run_logger(run_id).log_metrics_once({"pipeline/torchrun_wall_s": result.wall_s},
-                                                step=summary["final_step"])
-    return {**opened, "checkpoint_path": summary["checkpoint_path"], "final_step": summary["final_step"],
+    context.run_logger(run_id).log_summary({"torchrun_wall_s": result.wall_s})
+    return {**opened, "checkpoint_uri": summary["checkpoint_uri"], "final_step": summary["final_step"],
             "torchrun_wall_s": result.wall_s}
+
+
+def checkpoint_dir(params: dict[str, Any], run_id: str) -> str:
+    """Where the ranks write checkpoints: the run's place in the store, or the worker's work folder."""
+    from training.storage import run_uri
+
+    if params.get("checkpoint_location", "store") == "store":  # a Param an older deployment lacks: the default
+        return run_uri(params["store_uri"], params["experiment"], run_id)
+    return str(context.work_dir(run_id) / "checkpoints")
 
 
 @fails_fast
 def commit(params: dict[str, Any], trained: dict[str, Any]) -> Handoff:
-    """Commit the final checkpoint to the store: objects, then manifest.json, then `latest`."""
-    from training.storage import StoreError, upload_checkpoint
+    """The committed final checkpoint: read back from the store when the ranks committed it, else
+    committed now (objects, then manifest.json, then `latest`)."""
+    from training.storage import StoreError, read_commit, run_location, upload_checkpoint
 
-    run_id = trained["mlflow_run_id"]
-    try:
-        c = upload_checkpoint(trained["checkpoint_path"], params["store_uri"], experiment=params["experiment"],
-                              run_id=run_id, env=context.store_env(params))
-    except StoreError as e:
-        raise RuntimeError(f"checkpoint upload failed: {e}") from None
-    log.info("committed %s (%d objects uploaded, %d already there) in %.2fs", c.uri, c.uploaded, c.skipped, c.seconds)
+    run_id, step = trained["mlflow_run_id"], trained["final_step"]
     logger = context.run_logger(run_id)
-    logger.set_tags({"checkpoint.uri": c.uri})
-    logger.log_metrics_once({"ckpt/upload_s": c.seconds}, step=trained["final_step"])
+    in_store = params.get("checkpoint_location", "store") == "store"
+    try:
+        if in_store:
+            latest = read_commit(run_location(params["store_uri"], params["experiment"], run_id,
+                                              context.store_env(params)))
+            if latest["step"] != step:
+                raise StoreError(f"`latest` names step {latest['step']}, not the final step {step}")
+            uri = latest["uri"]
+            log.info("committed by the ranks: %s", uri)
+        else:
+            c = upload_checkpoint(urlparse(trained["checkpoint_uri"]).path, params["store_uri"],
+                                  experiment=params["experiment"], run_id=run_id, env=context.store_env(params))
+            uri = c.uri
+            log.info("committed %s (%d objects uploaded, %d already there) in %.2fs", uri, c.uploaded, c.skipped,
+                     c.seconds)
+            logger.log_summary({"upload_s": c.seconds})
+    except StoreError as e:
+        raise RuntimeError(f"checkpoint {'commit check' if in_store else 'upload'} failed: {e}") from None
+    logger.set_tags({"checkpoint.uri": uri})
     return Handoff(mlflow_run_id=run_id, dataset_uri=trained["dataset_uri"],
-                   dataset_fingerprint=trained["dataset_fingerprint"], checkpoint_uri=c.uri,
-                   final_step=trained["final_step"], torchrun_wall_s=trained["torchrun_wall_s"])
+                   dataset_fingerprint=trained["dataset_fingerprint"], checkpoint_uri=uri,
+                   final_step=step, torchrun_wall_s=trained["torchrun_wall_s"])
 
 
 def train_and_commit(opened: Any) -> Any:

@@ -10,10 +10,11 @@ cncf-kubernetes provider's own operators (no scheduler of our own). docs/archite
   worker-side confirmation of the commit.
 
 Task group ``kubernetes``: ``create_rendezvous_service`` (setup) -> ``train_on_kubernetes`` (the
-Indexed Job) -> ``upload_on_kubernetes`` (a pod commits the final checkpoint to the s3:// store)
--> ``confirm_commit`` (the worker reads the commit back); ``delete_rendezvous_service`` is the
-teardown of the Service: it runs whatever happened to the Job once the Service was created, and
-a failed teardown does not fail the DAG run.
+Indexed Job) -> ``upload_on_kubernetes`` (with ``checkpoint_location=local``, a pod commits the
+final checkpoint from the PVC to the s3:// store; with ``store``, the ranks did, and it is
+skipped) -> ``confirm_commit`` (the worker reads the commit back); ``delete_rendezvous_service``
+is the teardown of the Service: it runs whatever happened to the Job once the Service was
+created, and a failed teardown does not fail the DAG run.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from airflow.sdk import TaskGroup, task
+from airflow.sdk import TaskGroup, TriggerRule, task
 
 from training_airflow.backends.kubernetes.params import KubernetesParams
 
@@ -57,7 +58,7 @@ def train_and_commit(opened: Any) -> Any:
         upload = UploadPodOperator(task_id="upload_on_kubernetes", handoff=opened)
         delete = DeleteRendezvousServiceOperator(task_id="delete_rendezvous_service", handoff=opened)
 
-        @task(task_id="confirm_commit")
+        @task(task_id="confirm_commit", trigger_rule=TriggerRule.NONE_FAILED)  # runs after a skipped upload too
         def confirm(opened: dict, params=None, ti=None) -> dict:
             return confirm_commit(params, opened, job=ti.xcom_pull(task_ids="train_on_kubernetes", key="job"))
 

@@ -56,6 +56,12 @@ def check_params(params: dict[str, Any], *, worker_tracking_uri: str | None) -> 
     nmin, nmax = node_range(params)
     if nmin > nmax:
         raise ConfigError("k8s_min_nodes", f"{nmin} is more than k8s_nnodes={nmax}", f"use 0 or a value <= {nmax}")
+    if nmin < nmax and int(params["max_restarts"]) == 0:
+        # Going on with fewer pods is a restart of the rank group on the pods that are left (a pod
+        # joining later is not). Without one, a lost pod fails every pod and the Job starts over.
+        raise ConfigError("max_restarts", f"0 restarts cannot let the run go on with fewer than k8s_nnodes={nmax} "
+                          f"pods (k8s_min_nodes={nmin}): each pod lost uses one restart of the pods that are left",
+                          f"set max_restarts to the pod losses to survive (e.g. {nmax - nmin}), or k8s_min_nodes to 0")
     for req, lim in (("k8s_cpu_request", "k8s_cpu_limit"), ("k8s_memory_request", "k8s_memory_limit")):
         if _quantity(req, params[req]) > _quantity(lim, params[lim]):
             raise ConfigError(lim, f"{params[lim]} is below {req}={params[req]}", f"raise {lim} or lower {req}")
@@ -77,5 +83,5 @@ def check_params(params: dict[str, Any], *, worker_tracking_uri: str | None) -> 
     pod_tracking_uri(params, worker_tracking_uri)
     sizes = world_sizes(params)
     for ws in sizes:  # the trainer's own rules (batch size divisible by the world size...)
-        pod_train_config(params, run_dir=f"{CHECKPOINT_MOUNT}/check", world_size=ws)
+        pod_train_config(params, run_dir=f"{CHECKPOINT_MOUNT}/check", run_id="check", world_size=ws)
     return sizes[-1]

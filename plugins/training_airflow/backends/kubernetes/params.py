@@ -58,9 +58,13 @@ class KubernetesParams:
     k8s_shm_size: str = _k8s("8Gi", "size of the in-memory /dev/shm volume (data loader workers, NCCL); it counts "
                              "against the memory limit", title="/dev/shm size", pattern=QUANTITY)
     k8s_checkpoint_pvc: str = _k8s(
-        "training-checkpoints", "ReadWriteMany PersistentVolumeClaim mounted at /checkpoints in every pod; ranks "
-        "write checkpoints there and a retried Job resumes from them", title="Checkpoint PVC", pattern=DNS_LABEL,
-        schema=_NAME)
+        "training-checkpoints", "with checkpoint_location=local only: ReadWriteMany PersistentVolumeClaim mounted at "
+        "/checkpoints in every pod; ranks write checkpoints there, a retried Job resumes from them and an upload pod "
+        "commits the final one to the store", title="Checkpoint PVC", pattern=DNS_LABEL, schema=_NAME)
+    k8s_scratch_size: str = _k8s(
+        "20Gi", "size limit of a training pod's writable /tmp (emptyDir): with checkpoint_location=store each rank "
+        "downloads there the checkpoint files it reads on resume (its shard; with ddp the whole checkpoint) and rank "
+        "0 exports the final model there", title="Scratch (/tmp) size", pattern=QUANTITY)
     k8s_data_pvc: str = _k8s("training-data", "PersistentVolumeClaim mounted read-only at /data",
                              title="Dataset PVC", pattern=DNS_LABEL, schema=_NAME)
     k8s_dataset_path: str = _k8s(
@@ -84,8 +88,19 @@ class KubernetesParams:
                                       title="Job deadline (s)", minimum=1, maximum=30 * _DAY)
     k8s_ttl_after_finished_s: int = _k8s(_DAY, "ttlSecondsAfterFinished: a finished Job and its pods are removed "
                                          "after this long", title="Keep finished Job (s)", minimum=0, maximum=30 * _DAY)
-    k8s_termination_grace_s: int = _k8s(120, "time a preempted pod gets between SIGTERM and SIGKILL (to write a "
-                                        "checkpoint)", title="Termination grace (s)", minimum=1, maximum=30 * _DAY)
+    k8s_termination_grace_s: int = _k8s(
+        120, "terminationGracePeriodSeconds: a preempted pod's time between SIGTERM and SIGKILL to write a "
+        "checkpoint. torchrun's --shutdown-timeout (this minus 5 s) and the trainer's preempt_grace_s (this minus "
+        "10 s) are derived from it, so each layer gives up before the next one kills it", title="Termination grace (s)",
+        minimum=15, maximum=30 * _DAY)
+    k8s_rdzv_timeout_s: int = _k8s(
+        300, "how long a pod waits at a rendezvous: for the store on pod 0, and for at least Minimum nodes pods; a "
+        "pod that cannot rendezvous (wrong port, blocked network, pods that never start) fails after this long "
+        "naming the cause", title="Rendezvous timeout (s)", minimum=10, maximum=_DAY)
+    k8s_startup_timeout_s: int = _k8s(
+        300, "how long a training pod may stay unschedulable (e.g. a node selector no node matches) or unable to "
+        "start its containers (image pull errors, a missing Secret) before the task fails naming the cause",
+        title="Pod start timeout (s)", minimum=10, maximum=_DAY)
     k8s_node_selector: dict[str, str] = _k8s(
         {}, 'labels a training node must have, e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}',
         title="Node selector")

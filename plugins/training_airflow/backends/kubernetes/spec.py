@@ -6,8 +6,17 @@ One training run on a cluster is a headless Service (``clusterIP: None``) that g
 training pod a stable DNS name; an Indexed Job (``completions = parallelism = k8s_nnodes``) whose
 pod ``i`` gets the hostname ``<job name>-<i>`` and, with ``subdomain`` = the Service, the DNS name
 ``<job name>-<i>.<service>.<namespace>.svc.<cluster domain>``: every pod runs torchrun with the
-c10d rendezvous on pod 0's name, so no pod needs another one's IP address; then an upload pod
-that mounts the same checkpoint volume and commits the final checkpoint to the store.
+c10d rendezvous on pod 0's name, so no pod needs another one's IP address.
+
+Where checkpoints go (Param ``checkpoint_location``):
+
+- ``store`` (default): every rank commits each checkpoint straight to the run's place in the
+  ``s3://`` store; a replacement pod or a retried Job resumes from there. No checkpoint volume
+  (no ReadWriteMany storage class needed) and no upload pod: the final checkpoint is committed
+  when the Job ends. The pods' writable ``/tmp`` (``k8s_scratch_size``) holds what a rank
+  downloads to resume.
+- ``local``: the ReadWriteMany PVC ``k8s_checkpoint_pvc`` at ``/checkpoints`` in every pod; an
+  upload pod mounts it read-only and commits the final checkpoint to the store.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from kubernetes.client import models as k8s
 
 from airflow.providers.cncf.kubernetes.operators.job import JOB_NAME_PREFIX
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from training.elastic import EXIT_BAD_INPUT, EXIT_PREEMPTED
 
 CHECKPOINT_MOUNT = "/checkpoints"
 DATA_MOUNT = "/data"
@@ -32,11 +42,28 @@ RDZV_LABEL = "distributed-training/rendezvous"
 BASE_CONTAINER = KubernetesPodOperator.BASE_CONTAINER_NAME  # "base": the provider names the main container
 CHECK_CONTAINER = "check-config"
 RUN_UID = 10001  # the non-root user of docker/training.Dockerfile
-# `python -m training` exits 2 on bad input (training/cli.py EXIT_BAD_INPUT). torchrun reports every
-# failed rank as exit code 1, so the trainer's own parser (`train --print-config`) first runs in an
-# init container outside torchrun: its exit 2 matches the FailJob rule and the Job fails at once.
-# torchrun itself exits 2 on bad command-line arguments, which the same rule covers.
-EXIT_BAD_INPUT = 2
+# The exit-code contract of `python -m training` (training/cli.py), carried to the pod's status by
+# the launcher (training/elastic.py: torchrun itself reports every failed rank as 1):
+# 2 bad input: the FailJob rule fails the Job at once. The trainer's own parser (`train
+#   --print-config`) first runs in an init container, so a bad config never starts torchrun;
+#   torchrun exits 2 on bad command-line arguments, which the same rule covers.
+# 75 preempted: the ranks wrote a checkpoint of the current step. The Ignore rule replaces the pod
+#   without counting it against backoffLimit, and the replacement resumes from that checkpoint.
+# What the training container runs: torchrun's agent with the exit-code contract (training/elastic.py).
+LAUNCHER = ["python", "-m", "training.elastic"]
+# Seconds each layer of a preempted pod keeps back from the one above it: the agent stops waiting
+# for its ranks this long before the kubelet's SIGKILL, and the ranks give up this long before the
+# agent's own SIGKILL, so a stuck rank is reported by the layer that waited for it.
+GRACE_MARGIN_S = 5
+# c10d rendezvous settings that decide how fast a run recovers from a lost pod
+# (benchmarks/recovery_bench.py, docs/benchmarks.md "Elastic scale-down recovery"):
+# - after the minimum of nodes joined, wait this long for more (torch's default: 30 s);
+# - each agent writes a keep-alive to the store every RDZV_KEEP_ALIVE_S; a node that missed
+#   RDZV_KEEP_ALIVE_MISSES in a row is dead, and only then can the survivors start a new round
+#   without it (torch's default: 5 s x 3).
+RDZV_LAST_CALL_S = 5
+RDZV_KEEP_ALIVE_S = 1
+RDZV_KEEP_ALIVE_MISSES = 3
 MAX_DNS_LABEL = 63
 S3_ENV = {  # variable (= key in the Secret) -> optional
     "AWS_ACCESS_KEY_ID": False,
@@ -112,13 +139,40 @@ def world_sizes(params: dict[str, Any]) -> list[int]:
     return [n * procs_per_node(params) for n in range(nmin, nmax + 1)]
 
 
-def pod_train_config(params: dict[str, Any], *, run_dir: str, world_size: int | None = None) -> dict[str, Any]:
-    """The TrainConfig the pods run, built by the same code as the local backend's."""
+@dataclass(frozen=True)
+class Grace:
+    """The preemption window of a training pod, each layer derived from ``k8s_termination_grace_s``."""
+
+    pod_s: int  # terminationGracePeriodSeconds: SIGTERM to the agent, SIGKILL this much later
+    agent_s: int  # torchrun --shutdown-timeout: the agent waits this long for its ranks, then SIGKILLs them
+    rank_s: int  # the trainer's preempt_grace_s: a rank exits (143) this long after SIGTERM at the latest
+
+
+def grace(params: dict[str, Any]) -> Grace:
+    pod = int(params["k8s_termination_grace_s"])
+    return Grace(pod_s=pod, agent_s=pod - GRACE_MARGIN_S, rank_s=pod - 2 * GRACE_MARGIN_S)
+
+
+def in_store(params: dict[str, Any]) -> bool:
+    """Checkpoints straight to the store (no volume, no upload pod), or on the PVC."""
+    return params.get("checkpoint_location", "store") == "store"
+
+
+def pod_train_config(params: dict[str, Any], *, run_dir: str, run_id: str, world_size: int | None = None) -> dict[str, Any]:
+    """The TrainConfig the pods run, built by the same code as the local backend's. With the
+    checkpoints in the store the run's records (steps.jsonl...) stay in the pod's /tmp."""
+    from training.storage import run_uri
     from training_airflow import context
 
-    cfg = context.train_config(params, world_size=world_size or world_sizes(params)[-1],
-                               checkpoint_dir=f"{run_dir}/checkpoints", output_dir=f"{run_dir}/output").to_dict()
-    cfg["dataset_uri"] = params["k8s_dataset_path"]
+    if in_store(params):
+        where = {"checkpoint_dir": run_uri(params["store_uri"], params["experiment"], run_id), "output_dir": "/tmp/output"}
+    else:
+        where = {"checkpoint_dir": f"{run_dir}/checkpoints", "output_dir": f"{run_dir}/output"}
+    # The preemption grace is the pod's (``grace``), not the local backend's Param.
+    cfg = context.train_config({**params, "preempt_grace_s": grace(params).rank_s},
+                               world_size=world_size or world_sizes(params)[-1], **where).to_dict()
+    if not str(cfg["dataset_uri"]).startswith("s3://"):  # the pods read an s3:// dataset themselves
+        cfg["dataset_uri"] = params["k8s_dataset_path"]
     return cfg
 
 
@@ -194,13 +248,16 @@ def s3_env(secret: str) -> list[k8s.V1EnvVar]:
 
 
 def _volumes(params: dict[str, Any], *, trainer: bool) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]]:
-    """Checkpoint volume (read-write for the trainer, read-only for the upload) and a writable /tmp;
-    the trainer also gets the dataset (read-only) and an in-memory /dev/shm."""
-    vols = [k8s.V1Volume(name="checkpoints", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
-                claim_name=params["k8s_checkpoint_pvc"])),
-            k8s.V1Volume(name="tmp", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit="4Gi"))]
-    mounts = [k8s.V1VolumeMount(name="checkpoints", mount_path=CHECKPOINT_MOUNT, read_only=not trainer),
-              k8s.V1VolumeMount(name="tmp", mount_path="/tmp")]
+    """A writable /tmp and, unless the checkpoints go to the store, the checkpoint volume
+    (read-write for the trainer, read-only for the upload); the trainer also gets the dataset
+    (read-only) and an in-memory /dev/shm."""
+    vols = [k8s.V1Volume(name="tmp", empty_dir=k8s.V1EmptyDirVolumeSource(
+                size_limit=params.get("k8s_scratch_size", "4Gi") if trainer else "4Gi"))]
+    mounts = [k8s.V1VolumeMount(name="tmp", mount_path="/tmp")]
+    if not (trainer and in_store(params)):
+        vols.insert(0, k8s.V1Volume(name="checkpoints", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+            claim_name=params["k8s_checkpoint_pvc"])))
+        mounts.insert(0, k8s.V1VolumeMount(name="checkpoints", mount_path=CHECKPOINT_MOUNT, read_only=not trainer))
     if trainer:
         vols.append(k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
             claim_name=params["k8s_data_pvc"], read_only=True)))
@@ -235,14 +292,24 @@ def _common_pod_kwargs(params: dict[str, Any], names_: Names) -> dict[str, Any]:
     }
 
 
+def rdzv_conf(params: dict[str, Any]) -> str:
+    """torchrun --rdzv-conf: how long to wait for the store on pod 0 (read_timeout) and for the
+    minimum of nodes (join_timeout), both ``k8s_rdzv_timeout_s``; then RDZV_LAST_CALL_S for more;
+    and how soon a dead node is declared dead (keep-alives)."""
+    timeout = int(params["k8s_rdzv_timeout_s"])
+    return (f"join_timeout={timeout},read_timeout={timeout},last_call_timeout={min(RDZV_LAST_CALL_S, timeout)},"
+            f"keep_alive_interval={RDZV_KEEP_ALIVE_S},keep_alive_max_attempt={RDZV_KEEP_ALIVE_MISSES}")
+
+
 def torchrun_args(params: dict[str, Any], names_: Names, cfg: dict[str, Any]) -> list[str]:
-    """The pods' torchrun arguments (after the ``torchrun`` command itself)."""
+    """The pods' torchrun arguments (what follows LAUNCHER, which parses them as torchrun does)."""
     from training.launch import torchrun_command
 
     nmin, nmax = node_range(params)
     cmd = torchrun_command(set_args(cfg), nproc_per_node=procs_per_node(params), nnodes=f"{nmin}:{nmax}",
                            max_restarts=int(params["max_restarts"]), rdzv_endpoint=names_.rdzv_endpoint,
-                           rdzv_id=names_.job, python=None)
+                           rdzv_id=names_.job, python=None,
+                           options=["--rdzv-conf", rdzv_conf(params), "--shutdown-timeout", str(grace(params).agent_s)])
     return cmd[1:]
 
 
@@ -251,11 +318,22 @@ def pod_failure_policy() -> k8s.V1PodFailurePolicy:
         # Bad input: the same pod would fail the same way on every retry.
         k8s.V1PodFailurePolicyRule(action="FailJob", on_exit_codes=k8s.V1PodFailurePolicyOnExitCodesRequirement(
             operator="In", values=[EXIT_BAD_INPUT])),
+        # Preempted after a checkpoint (the launcher's exit code): the replacement pod resumes from it.
+        k8s.V1PodFailurePolicyRule(action="Ignore", on_exit_codes=k8s.V1PodFailurePolicyOnExitCodesRequirement(
+            container_name=BASE_CONTAINER, operator="In", values=[EXIT_PREEMPTED])),
         # Preemption, eviction, node drain: not the pod's fault; a replacement does not count
-        # against backoffLimit and resumes from the latest checkpoint on the shared volume.
+        # against backoffLimit and resumes from the latest checkpoint (store or shared volume).
         k8s.V1PodFailurePolicyRule(action="Ignore", on_pod_conditions=[
             k8s.V1PodFailurePolicyOnPodConditionsPattern(type="DisruptionTarget", status="True")]),
     ])
+
+
+def success_policy() -> k8s.V1SuccessPolicy:
+    """The Job is done when pod 0 succeeds: its agent exits 0 only after the ranks of every pod
+    finished (torchrun's exit barrier). An Indexed Job otherwise waits for every index, and after
+    an elastic scale-down the lost pod's replacement can never succeed: the run it would join has
+    ended. (successPolicy: Kubernetes 1.31 and later; older API servers ignore it.)"""
+    return k8s.V1SuccessPolicy(rules=[k8s.V1SuccessPolicyRule(succeeded_indexes="0")])
 
 
 def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id: str, tracking_uri: str,
@@ -270,8 +348,12 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
            *[k8s.V1EnvVar(name=k, value=str(v)) for k, v in sorted(dict(params.get("k8s_nccl_env") or {}).items())]]
     check = k8s.V1Container(
         name=CHECK_CONTAINER, image=params["k8s_image"], image_pull_policy=params["k8s_image_pull_policy"],
-        command=["python", "-m", "training", "train", "--print-config", *set_args(train_config)],
-        env=_base_env(), security_context=container_security_context(),
+        # With the checkpoints in the store it also lists and writes the run's place there with the
+        # pods' own S3 Secret: a missing bucket or refused keys fail the Job at once (exit 2).
+        command=["python", "-m", "training", "train", "--print-config", *(["--check-access"] if in_store(params) else []),
+                 *set_args(train_config)],
+        env=[*_base_env(), *(s3_env(params["k8s_s3_secret"]) if in_store(params) else [])],
+        security_context=container_security_context(),
         resources=k8s.V1ResourceRequirements(requests={"cpu": "100m", "memory": "256Mi"},
                                              limits={"cpu": "1", "memory": "1Gi"}),
         volume_mounts=[k8s.V1VolumeMount(name="tmp", mount_path="/tmp")],
@@ -282,7 +364,7 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
         **_common_pod_kwargs(params, names_),
         "name": names_.job_base,
         "labels": labels(names_, "trainer"),
-        "cmds": ["torchrun"],
+        "cmds": LAUNCHER,
         "arguments": torchrun_args(params, names_, train_config),
         "env_vars": env,
         "volumes": volumes,
@@ -291,16 +373,18 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
         "init_containers": [check],
         "subdomain": names_.service,
         "tolerations": tolerations,
-        "termination_grace_period": int(params["k8s_termination_grace_s"]),
+        "termination_grace_period": grace(params).pod_s,
         "active_deadline_seconds": int(params["k8s_active_deadline_s"]),
         "completion_mode": "Indexed",
         "completions": n,
         "parallelism": n,
         "backoff_limit": int(params["k8s_backoff_limit"]),
         "ttl_seconds_after_finished": int(params["k8s_ttl_after_finished_s"]),
-        # podFailurePolicy is no operator argument: it comes in through the base Job the operator merges.
+        # podFailurePolicy and successPolicy are no operator arguments: they come in through the
+        # base Job the operator merges.
         "full_job_spec": k8s.V1Job(spec=k8s.V1JobSpec(template=k8s.V1PodTemplateSpec(),
-                                                      pod_failure_policy=pod_failure_policy())),
+                                                      pod_failure_policy=pod_failure_policy(),
+                                                      success_policy=success_policy())),
     }
 
 

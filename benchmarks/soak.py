@@ -1,0 +1,168 @@
+"""Soak: one long training run that checkpoints about once a minute with retention, watched from
+outside. Checks that nothing grows or drifts with time.
+
+    .venv/bin/python benchmarks/soak.py --minutes 60                 # the full soak (figures in docs/benchmarks.md)
+    .venv/bin/python benchmarks/soak.py --minutes 3 --check          # the CI version: exit 1 when a check fails
+
+A real `torchrun` group (2 gloo ranks on loopback) trains the MLP on the teacher data with
+`checkpoint_every` set from a short calibration run so that checkpoints come about every
+`--checkpoint-every-s` seconds, `retention_keep_last=3`, and a real MLflow run (SQLite store in the
+output folder). Every `--sample-s` seconds the script records the checkpoint folder's size and
+each rank's resident memory (/proc). After `--minutes` it sends SIGTERM (a preemption: the ranks
+agree on a step, checkpoint it and exit 75), then prints the figures and checks:
+
+- disk: the checkpoint folder never holds more than `keep_last` + 2 checkpoints' worth (retention
+  works while training; one in flight, one kept as the best by evaluation);
+- memory: each rank's RSS in the last tenth of the run is within `--rss-drift` of the second tenth;
+- speed: the median step time of the last tenth is within `--step-drift` of the second tenth's
+  (the first tenth is warm-up);
+- MLflow: `train/loss` has exactly one point per log interval up to the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from training.launch import torchrun_command  # noqa: E402 (after the path is set)
+from training.util import free_port  # noqa: E402
+
+LOG_EVERY = 50
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
+
+
+def _steps(out: Path) -> list[dict]:
+    path = out / "steps.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+
+
+def _sets(values: dict) -> list[str]:
+    return [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=60)
+    p.add_argument("--checkpoint-every-s", type=float, default=60)
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--sample-s", type=float, default=10)
+    p.add_argument("--rss-drift", type=float, default=0.15, help="allowed relative RSS growth")
+    p.add_argument("--step-drift", type=float, default=0.25, help="allowed relative step-time growth")
+    p.add_argument("--check", action="store_true", help="exit 1 when a check fails")
+    p.add_argument("--out", default=None, help="working folder (default: a temporary one)")
+    a = p.parse_args()
+    work = Path(a.out or tempfile.mkdtemp(prefix="soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
+    data = work / "data"
+    if not (data / "dataset.json").exists():
+        subprocess.run([sys.executable, "-m", "training", "make-data", "--out", str(data)], check=True, env=env,
+                       stdout=subprocess.DEVNULL)
+    base = {"dataset_uri": data, "batch_size": 64, "log_every": LOG_EVERY, "eval_every": 0, "seed": 1}
+
+    # Calibration: the step time of this machine, to space the checkpoints in time.
+    cal = work / "calibrate"
+    cmd = torchrun_command(_sets({**base, "steps": 200, "checkpoint_every": 0, "checkpoint_dir": cal / "ck",
+                                  "output_dir": cal / "out"}), nproc_per_node=2, master_port=free_port())
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    step_s = statistics.median(r["step_s"] for r in _steps(cal / "out")[50:])
+    every = max(10, round(a.checkpoint_every_s / max(step_s, 1e-4)))
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("soak") or client.get_experiment(client.create_experiment("soak"))
+    run_id = client.create_run(exp.experiment_id, run_name=f"soak {a.minutes:g} min").info.run_id
+    ck, out = work / "run" / "ck", work / "run" / "out"
+    cmd = torchrun_command(_sets({**base, "steps": 10_000_000, "checkpoint_every": every, "checkpoint_dir": ck,
+                                  "output_dir": out, "retention_keep_last": a.keep_last}),
+                           nproc_per_node=2, master_port=free_port())
+    print(f"soak: {a.minutes:g} min, step {1000 * step_s:.2f} ms (calibrated), checkpoint every {every} steps, "
+          f"keep last {a.keep_last}; {work}", flush=True)
+    log = open(work / "train.log", "w")
+    agent = subprocess.Popen(cmd, env={**env, "MLFLOW_RUN_ID": run_id}, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    samples = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < a.minutes * 60 and agent.poll() is None:
+        time.sleep(a.sample_s)
+        ranks = _children(agent.pid)
+        samples.append({"t": time.monotonic() - t0, "disk": _size(ck),
+                        "rss": [r for r in (_rss_mib(pid) for pid in sorted(ranks)) if r is not None]})
+    agent.send_signal(signal.SIGTERM)  # a preemption: checkpoint the agreed step, exit 75
+    agent.wait(timeout=300)
+    log.close()
+    preempted = "preempted; checkpoint written at step" in (work / "train.log").read_text()
+
+    records = _steps(out)
+    last = records[-1]["step"] if records else 0
+    one_ckpt = max((_size(d) for d in ck.glob("step_*")), default=0)
+    tenth = max(1, len(records) // 10)
+    early, late = records[tenth:2 * tenth], records[-tenth:]
+    step_early = statistics.median(r["step_s"] for r in early) if early else float("nan")
+    step_late = statistics.median(r["step_s"] for r in late) if late else float("nan")
+    rss = [s["rss"] for s in samples if len(s["rss"]) == 2]
+    k = max(1, len(rss) // 10)
+    rss_early = [statistics.median(r[i] for r in rss[k:2 * k]) for i in range(2)] if len(rss) >= 3 else []
+    rss_late = [statistics.median(r[i] for r in rss[-k:]) for i in range(2)] if len(rss) >= 3 else []
+    losses = [m.step for m in client.get_metric_history(run_id, "train/loss")]
+    expected = list(range(LOG_EVERY, last - last % LOG_EVERY + 1, LOG_EVERY))
+    disk_max = max((s["disk"] for s in samples), default=0)
+    checks = {
+        "SIGTERM: the ranks agreed on a step and checkpointed it": preempted,
+        f"disk <= {a.keep_last + 2} checkpoints": disk_max <= (a.keep_last + 2) * max(one_ckpt, 1),
+        f"rss drift <= {a.rss_drift:.0%}": bool(rss_early) and all(
+            l <= e * (1 + a.rss_drift) for e, l in zip(rss_early, rss_late)),
+        f"step-time drift <= {a.step_drift:.0%}": step_late <= step_early * (1 + a.step_drift),
+        "train/loss once per interval": losses[: len(expected)] == expected and len(losses) in (len(expected),
+                                                                                               len(expected) + 1),
+    }
+    figures = {"minutes": a.minutes, "steps": last, "checkpoints_kept": sorted(d.name for d in ck.glob("step_*")),
+               "checkpoint_mib": one_ckpt / 2**20, "disk_max_mib": disk_max / 2**20,
+               "rss_mib_early": rss_early, "rss_mib_late": rss_late, "step_ms_early": 1000 * step_early,
+               "step_ms_late": 1000 * step_late, "train_loss_points": len(losses),
+               "load_avg_1min": os.getloadavg()[0]}
+    print(json.dumps(figures, indent=2))
+    for name, ok in checks.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {name}")
+    return 1 if a.check and not all(checks.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""The soak's assertions in three minutes (benchmarks/soak.py; the hour-long run's figures are in
+docs/benchmarks.md): a real 2-rank torchrun group checkpointing every 20 s with retention, watched
+from outside: disk bounded by retention, each rank's memory and the step time flat, one MLflow
+point per log interval, and a clean preemption at the end."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_three_minutes_of_training_neither_grow_nor_drift(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "3",
+                          "--checkpoint-every-s", "20", "--sample-s", "5", "--check", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("ok  ") == 5
