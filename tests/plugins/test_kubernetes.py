@@ -552,10 +552,7 @@ def test_committed_handoff_reads_the_store_through_the_runs_aws_connection(s3_se
     s3 = boto3.client("s3", endpoint_url=s3_server["endpoint"])
     s3.create_bucket(Bucket="conn-bucket")
     params = k8s_params(steps=10, store_uri="s3://conn-bucket/p", aws_conn_id="ckpt_s3")
-    step = tmp_path / "step_00000010"
-    step.mkdir()
-    (step / "model.safetensors").write_bytes(b"w")
-    (step / "COMPLETE").write_text(json.dumps({"step": 10, "world_size": 2, "config_hash": "x"}))
+    step = local_checkpoint(tmp_path, 10, {"model.safetensors": b"w"}, world_size=2)
     upload_checkpoint(step, params["store_uri"], experiment=params["experiment"], run_id=RUN_ID)
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
