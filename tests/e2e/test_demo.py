@@ -30,7 +30,7 @@ def test_make_demo_runs_the_pipeline_end_to_end(tmp_path):
     assert accuracy >= 0.70, out[-3000:]  # chance is 0.25, the data's ceiling 0.925
     tasks = dict(re.findall(r"(\w+) ([0-9.]+)s", re.search(r"Tasks        : (.*)", out)[1]))
     assert set(tasks) == {"validate_data", "train", "upload_checkpoint", "evaluate", "register", "report"}, out[-3000:]
-    assert re.search(r"Target       : eval/accuracy 0\.88 (reached at step \d+|not reached \(best 0\.\d+\))", out)
+    assert re.search(r"Target       : eval/accuracy 0\.8 reached at step \d+, [\d.]+s after training started", out)
     # rank 0's start-up reached the MLflow run through the train task (the relay)
     assert re.search(r"Start-up     : rank 0 at its first step [0-9.]+s after its process started \(imports", out)
     assert (tmp_path / "var" / "store").is_dir(), "the checkpoint was committed to the default store"

@@ -20,18 +20,22 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.e2e.pods import PlayedJob, PodsRun
+from training.tracking import summary_of
 
 # What the local backend logs for the same run (docs/architecture.md, "Metrics (one schema)").
 SCHEMA = {"train/loss", "train/lr", "train/grad_norm", "perf/samples_per_s", "perf/step_s", "perf/data_wait_s",
           "perf/mfu", "comm/s_per_step", "comm/exposed_s_per_step", "comm/exposed_fraction", "comm/bytes_per_step",
-          "comm/collectives_per_step", "mem/state_bytes_per_rank", "goodput", "summary/wall_s",
-          "summary/productive_s", "summary/device_hours", "summary/total_samples", "mem/peak_bytes_max",
-          "pipeline/torchrun_wall_s", "eval/loss", "eval/accuracy"}
+          "comm/collectives_per_step", "eval/loss", "eval/accuracy"}
+# One-off figures: the run summary (summary.* tags), as on the local backend.
+SUMMARY = {"goodput", "train_wall_s", "device_hours", "peak_mem_bytes_max", "state_bytes_per_rank", "torchrun_wall_s"}
 
 
 @pytest.fixture
 def pods_run(container_engine, training_image, tmp_path, dataset, s3_server, mlflow_server, monkeypatch):
+    import mlflow
+
     runs = []
+    tracking_uri = mlflow.get_tracking_uri()  # PodsRun points this process at the tracking server
 
     def make(**overrides) -> PodsRun:
         run = PodsRun(engine=container_engine, image=training_image, root=tmp_path, dataset=dataset,
@@ -39,9 +43,12 @@ def pods_run(container_engine, training_image, tmp_path, dataset, s3_server, mlf
         runs.append(run)
         return run
 
-    yield make
-    for run in runs:
-        run.cluster.cleanup()
+    try:
+        yield make
+    finally:
+        mlflow.set_tracking_uri(tracking_uri)  # the later tests' store, as before
+        for run in runs:
+            run.cluster.cleanup()
 
 
 def _final_manifest_matches(s3_endpoint: str, checkpoint_uri: str) -> dict:
@@ -56,10 +63,15 @@ def _final_manifest_matches(s3_endpoint: str, checkpoint_uri: str) -> dict:
 
 @pytest.mark.slow
 def test_two_pods_rendezvous_train_commit_and_evaluate(pods_run):
+    """The default path: the ranks of both pods commit every checkpoint straight to the store (S3
+    through the pods' Secret); no upload pod runs; the worker reads the commit back and evaluates."""
+    from airflow.sdk.exceptions import AirflowSkipException
+
     from training_airflow import tasks
     from training_airflow.backends.kubernetes.operators import confirm_commit
 
     run = pods_run()
+    assert run.params["checkpoint_location"] == "store"
     opened = run.validate()
     service, job = run.render()
     spec = job["spec"]["template"]["spec"]
@@ -76,14 +88,17 @@ def test_two_pods_rendezvous_train_commit_and_evaluate(pods_run):
     assert "train: mlp/ddp/fp32 on 2 ranks, backend=gloo" in log0, log0[-3000:]
     assert f"train: done at step {run.params['steps']}" in log0
 
-    upload = run.upload()
-    assert upload.phase == "Succeeded", upload.logs()[-3000:]
+    op = run.dag.task_dict["upload_on_kubernetes"]
+    op.handoff = opened
+    with pytest.raises(AirflowSkipException, match="the ranks committed the final checkpoint"):
+        op.execute(run.context("upload_on_kubernetes"))
+    assert not any(run.checkpoints.rglob("*.distcp")), "nothing was written to the checkpoint volume"
 
     handoff = confirm_commit(run.params, opened, job=played.status())
     assert handoff["final_step"] == run.params["steps"] and handoff["torchrun_wall_s"] > 0
     manifest = _final_manifest_matches(run.s3_endpoint, handoff["checkpoint_uri"])
     assert manifest["world_size"] == 2
-    assert {"__0_0.distcp", "__1_0.distcp", "COMPLETE", "model.safetensors"} <= {f["path"] for f in manifest["files"]}
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "model.safetensors"} <= {f["path"] for f in manifest["files"]}
 
     scored = tasks.evaluate(run.params, handoff)
     assert 0.6 <= scored["eval_accuracy"] <= 1.0
@@ -91,6 +106,7 @@ def test_two_pods_rendezvous_train_commit_and_evaluate(pods_run):
     client = MlflowClient()
     mlrun = client.get_run(opened["mlflow_run_id"])
     assert SCHEMA <= set(mlrun.data.metrics), sorted(SCHEMA - set(mlrun.data.metrics))
+    assert SUMMARY <= set(summary_of(mlrun)), sorted(SUMMARY - set(summary_of(mlrun)))
     assert (mlrun.data.params["world_size"], mlrun.data.params["backend"]) == ("2", "gloo")
     loss = client.get_metric_history(opened["mlflow_run_id"], "train/loss")
     assert [h.step for h in loss] == list(range(10, run.params["steps"] + 1, 10)), "one point per log interval"
@@ -101,12 +117,13 @@ def test_a_lost_pod_scales_the_run_down_and_it_finishes_on_one(pods_run):
     """--nnodes 1:2: pod 1's container is SIGKILLed mid-run and its node is gone (the replacement
     pod finds no room). Pod 0's agent restarts its ranks (max_restarts), re-rendezvouses alone
     and resumes from the latest complete checkpoint; the Job succeeds with pod 0 (successPolicy)."""
-    run = pods_run(k8s_min_nodes=1, max_restarts=1, steps=100, checkpoint_every=20)
+    # checkpoint_location=local: checkpoints and steps.jsonl on the volume, where the test watches them.
+    run = pods_run(k8s_min_nodes=1, max_restarts=1, steps=100, checkpoint_every=20, checkpoint_location="local")
     run.validate()
     _, job = run.render()
     run.slow_steps(job, 100)
     played = PlayedJob(run.cluster, job)
-    run.wait_for_step(played, 40)
+    run.wait_for_step(played, 45)  # between checkpoints (every 20): the restart loses steps
     run.cluster.lost_nodes.add(1)
     killed_at = time.time()
     played.pods[1].signal("KILL")
@@ -121,14 +138,14 @@ def test_a_lost_pod_scales_the_run_down_and_it_finishes_on_one(pods_run):
     resumed = next(r for r in records if r["restart"] == 1)
     assert resumed["step"] % 20 == 1, "the first step after the restart follows a checkpoint"
     mlrun = MlflowClient().get_run(run.opened["mlflow_run_id"])
-    m = mlrun.data.metrics
+    m, summary = mlrun.data.metrics, summary_of(mlrun)
     assert m["fault/restarts"] == 1 and m["fault/steps_lost"] >= 1 and 0 < m["fault/recovery_s"] < 60
     recovery = resumed["t"] - killed_at
     print(f"scale-down recovery: {recovery:.1f}s from SIGKILL to the first step on one pod; "
           f"fault/recovery_s {m['fault/recovery_s']:.1f}s; steps lost {m['fault/steps_lost']:.0f}")
     # Device-hours count each attempt's world size: 2 ranks until the kill, 1 after.
-    wall = m["summary/wall_s"]
-    assert wall / 3600 < m["summary/device_hours"] < 2 * wall / 3600
+    wall = summary["train_wall_s"]
+    assert wall / 3600 < summary["device_hours"] < 2 * wall / 3600
 
 
 @pytest.mark.slow
@@ -138,7 +155,8 @@ def test_preemption_checkpoints_exits_75_and_the_job_resumes_without_counting_it
     pods) agree on a step and write its checkpoint, well inside the grace; each launcher exits 75;
     the Job's own podFailurePolicy Ignores 75 (backoffLimit 0: one counted failure would fail the
     Job); the replacement pods resume from that checkpoint and finish."""
-    run = pods_run(k8s_backoff_limit=0, steps=60, checkpoint_every=30, k8s_termination_grace_s=45)
+    run = pods_run(k8s_backoff_limit=0, steps=60, checkpoint_every=30, k8s_termination_grace_s=45,
+                   checkpoint_location="local")
     run.validate()
     _, job = run.render()
     grace = job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
@@ -157,7 +175,7 @@ def test_preemption_checkpoints_exits_75_and_the_job_resumes_without_counting_it
     assert played.failed == 0
     for pod in first.values():
         assert pod.messages["base"].startswith("elastic: preempted: the ranks agreed on a step"), pod.messages
-    stopped = [p.name for p in (run.run_dir() / "checkpoints").iterdir() if (p / "COMPLETE").exists()
+    stopped = [p.name for p in (run.run_dir() / "checkpoints").iterdir() if (p / "manifest.json").exists()
                and int(p.name[5:]) not in (30, 60)]
     assert len(stopped) == 1, stopped
     step = int(stopped[0][5:])

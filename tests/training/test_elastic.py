@@ -75,7 +75,7 @@ def test_sigterm_to_the_agent_ends_in_a_checkpoint_and_exit_75(dataset, tmp_path
     took = time.monotonic() - signalled
     assert proc.returncode == 75, out[-3000:]
     assert out.count("train: preempted; checkpoint written at step") == 2
-    stopped = [p for p in (tmp_path / "ck").iterdir() if (p / "COMPLETE").exists()]
+    stopped = [p for p in (tmp_path / "ck").iterdir() if (p / "manifest.json").exists()]
     assert len(stopped) == 1 and 8 <= int(stopped[0].name[5:]) < 400
     assert "elastic: preempted" in out.strip().splitlines()[-1]
     assert took < 20, f"{took:.1f}s from SIGTERM to exit"
