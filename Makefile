@@ -45,12 +45,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
+# Two pytest-xdist workers: most tests wait on child processes, servers and containers, so two
+# share the 2-core machine well (tests/conftest.py keeps the live stack and the image on one each).
+PYTEST_WORKERS ?= 2
 test: $(STAMP) chromium podman
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 # The tests not marked slow (no live Airflow, no full DAG runs): a few minutes, for a quick check.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
 
 # The web-UI test drives Debian's chromium headless. Installed here when missing and we may.
 chromium:

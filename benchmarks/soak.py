@@ -158,6 +158,7 @@ def main() -> int:
                "rss_mib_early": rss_early, "rss_mib_late": rss_late, "step_ms_early": 1000 * step_early,
                "step_ms_late": 1000 * step_late, "train_loss_points": len(losses),
                "load_avg_1min": os.getloadavg()[0]}
+    (work / "samples.json").write_text(json.dumps(samples))  # disk and each rank's RSS over time
     print(json.dumps(figures, indent=2))
     for name, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {name}")

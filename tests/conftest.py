@@ -42,6 +42,20 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), 
 sys.path.insert(0, str(ROOT / "plugins"))
 
 
+# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup). Tests that share an
+# expensive session fixture run on one worker, so it is started once: the live Airflow stack, and
+# the container engine with the image it builds. Everything else is spread over both workers.
+_GROUPS = {"live_airflow": "live", "container_engine": "containers"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = next((g for fixture, g in _GROUPS.items() if fixture in getattr(item, "fixturenames", ())), None)
+        if group and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def background_load():
     """TEST_BACKGROUND_LOAD=N: N CPU-bound processes run beside the whole session (tests/load.py)."""

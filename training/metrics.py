@@ -16,6 +16,7 @@ import platform
 import resource
 import time
 from pathlib import Path
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from training.config import higher_is_better
@@ -230,7 +231,7 @@ def target_reached(metric: str, value: float, target: float) -> bool:
     return value >= target if higher_is_better(metric) else value <= target
 
 
-def lineage_summary(records: list[dict[str, Any]], *, start: float, end: float,
+def lineage_summary(records: Iterable[dict[str, Any]], *, start: float, end: float,
                     world_size: int = 1) -> dict[str, float]:
     """Goodput and restart losses from the per-step records of every attempt (``steps.jsonl``).
 
@@ -241,26 +242,41 @@ def lineage_summary(records: list[dict[str, Any]], *, start: float, end: float,
 
     Device-seconds charge each attempt its own world size (``world`` in its records, else
     ``world_size``): an elastic run that went on with fewer ranks used fewer devices. The wall
-    time is cut at each attempt's last record; a restart's dead time goes to the attempt after it."""
-    last: dict[int, dict[str, Any]] = {}
+    time is cut at each attempt's last record; a restart's dead time goes to the attempt after it.
+
+    ``records`` is read once, as a stream: the lineage is kept in arrays indexed by step (about 20
+    bytes a step), not as a million parsed records at the end of a long run."""
+    import numpy as np
+
+    size = 1024
+    t, step_s = np.zeros(size), np.zeros(size)
+    attempt, world = np.full(size, -1, dtype=np.int32), np.zeros(size, dtype=np.int32)
+    attempts: dict[Any, int] = {}
     ends: dict[Any, tuple[float, int]] = {}  # attempt -> (its last record's time, its world size), in order
     for rec in records:
-        if "step_s" in rec:
-            last[rec["step"]] = rec
-            ends[rec.get("attempt")] = (rec["t"], int(rec.get("world", world_size)))
-    steps = sorted(last)
-    productive = sum(last[s]["step_s"] for s in steps)
-    lost = lost_device = 0.0
-    for prev, cur in zip(steps, steps[1:]):
-        a, b = last[prev], last[cur]
-        if a.get("attempt") != b.get("attempt"):
-            gap = max(0.0, b["t"] - a["t"] - b["step_s"])
-            lost += gap
-            lost_device += gap * int(b.get("world", world_size))
+        if "step_s" not in rec:
+            continue
+        k = int(rec["step"])
+        if k >= size:
+            grow = max(k + 1, 2 * size) - size
+            t, step_s = np.concatenate([t, np.zeros(grow)]), np.concatenate([step_s, np.zeros(grow)])
+            attempt = np.concatenate([attempt, np.full(grow, -1, dtype=np.int32)])
+            world = np.concatenate([world, np.zeros(grow, dtype=np.int32)])
+            size += grow
+        key = rec.get("attempt")
+        w = int(rec.get("world", world_size))
+        t[k], step_s[k], attempt[k], world[k] = rec["t"], rec["step_s"], attempts.setdefault(key, len(attempts)), w
+        ends[key] = (rec["t"], w)
+    present = np.flatnonzero(attempt >= 0)
+    productive = float(step_s[present].sum())
+    a, b = present[:-1], present[1:]
+    switch = attempt[a] != attempt[b]
+    gaps = np.maximum(0.0, t[b] - t[a] - step_s[b])[switch]
+    lost, lost_device = float(gaps.sum()), float((gaps * world[b][switch]).sum())
     device, since = 0.0, start
-    for i, (t, world) in enumerate(ends.values()):
-        until = end if i == len(ends) - 1 else t
-        device += max(0.0, until - since) * world
+    for i, (t_end, w) in enumerate(ends.values()):
+        until = end if i == len(ends) - 1 else t_end
+        device += max(0.0, until - since) * w
         since = until
     wall = max(end - start, 1e-9)
     return {"productive_s": productive, "lost_to_restarts_s": lost, "wall_s": wall, "goodput": productive / wall,

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -94,22 +95,40 @@ class StepLog:
         self._file.close()
 
     @classmethod
-    def read(cls, folder: Path) -> list[dict[str, Any]]:
+    def iter(cls, folder: Path) -> Iterator[dict[str, Any]]:
+        """Every record, one line at a time (a long run has millions)."""
         path = folder / cls.NAME
         if not path.exists():
-            return []
-        records = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut short by a crash mid-write
-                continue
-        return records
+            return
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a crash mid-write
+                    continue
+
+    @classmethod
+    def read(cls, folder: Path) -> list[dict[str, Any]]:
+        return list(cls.iter(folder))
 
     @classmethod
     def last(cls, folder: Path) -> dict[str, Any] | None:
-        records = cls.read(folder)
-        return records[-1] if records else None
+        """The last complete record, read from the end of the file."""
+        path = folder / cls.NAME
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 65536))
+                tail = f.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return None
+        for line in reversed(tail.splitlines()):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:  # cut short by a crash, or the first, partial line of the tail
+                continue
+        return None
 
 
 @dataclass
@@ -169,7 +188,8 @@ class Telemetry:
         self.flops_per_sample = flops_per_sample(spec, self.n_params)
         self.attempt = f"{time.time():.6f}-{os.getpid()}"  # tells this attempt's step records apart
         self.on_window: list[Callable[[dict[str, float]], None]] = []
-        self.step_times: list[float] = []
+        self.steps_done = 0  # by this attempt
+        self.productive_s = 0.0  # this attempt's step times (the summary without output_dir)
         self.skipped_steps = 0
         self.first_loss: float | None = None
         self.last_loss: float | None = None
@@ -244,7 +264,8 @@ class Telemetry:
         """Rank 0: the exact per-step loss (float.hex) for reproducibility checks; the step's time,
         end time and attempt feed goodput (metrics.lineage_summary); the last record is the
         heartbeat fault accounting reads after a restart. Every rank: the window's sums."""
-        self.step_times.append(r.seconds)
+        self.steps_done += 1
+        self.productive_s += r.seconds
         self.skipped_steps += int(r.skipped)
         self._grad_norm = r.grad_norm
         self.window.add(r)
@@ -252,7 +273,7 @@ class Telemetry:
             self.step_log.add({"step": step, "skipped": r.skipped, "restart": self.restarts,
                                "step_s": r.seconds, "t": time.time(), "attempt": self.attempt,
                                "world": self.info.world_size}, r.loss)
-        if len(self.step_times) == 1:  # optimizer state exists from the first step on
+        if self.steps_done == 1:  # optimizer state exists from the first step on
             self._log_state_bytes(step)
 
     def maybe_log(self, step: int) -> None:
@@ -370,9 +391,9 @@ class Telemetry:
         if not info.is_main:
             return {}
         if self.out:
-            records = StepLog.read(self.out)
-        else:  # no output_dir: this attempt only
-            records = [{"step": i, "step_s": s, "t": 0.0, "attempt": self.attempt} for i, s in enumerate(self.step_times)]
+            records = StepLog.iter(self.out)
+        else:  # no output_dir: this attempt only, as one record carrying all of its step time
+            records = [{"step": 0, "step_s": self.productive_s, "t": 0.0, "attempt": self.attempt}] if self.steps_done else []
         life = metrics.lineage_summary(records, start=self.clock.start, end=time.time(), world_size=info.world_size)
         peak_max = max(int(p) for p in peaks)
         summary = {

@@ -312,6 +312,8 @@ def test_a_measured_peak_is_kept_per_machine_threads_and_precision(tmp_path, mon
     finally:
         torch.set_num_threads(threads)
     assert peak_flops(cpu, "fp32", None)[0] == 1e9 and len(measured) == 3
+
+
 def test_device_seconds_charge_each_attempt_its_own_world_size():
     # Attempt A on 2 ranks until its last step at t=3; attempt B on 1 rank (an elastic scale-down)
     # from there to the end at t=12: 3 s x 2 + 9 s x 1. The restart's dead time (t=2..10) is lost
@@ -362,3 +364,25 @@ def test_eta_is_smoothed_over_log_intervals():
     assert slow == pytest.approx(0.05 + 0.3 * (0.4 - 0.05)) and slow < 0.4 / 2
     assert progress_text(120, 300, 72.4) == "120/300 steps (40%), ETA 1m12s"
     assert progress_text(300, 300, 0.0) == "300/300 steps (100%)"
+
+
+def test_step_records_are_read_as_a_stream_and_the_last_from_the_end(tmp_path):
+    """A long run writes millions of step records: the summary reads them once as a stream, and
+    the last record (a restart's fault accounting, a drill's progress) comes from the file's end,
+    skipping a line a crash cut short."""
+    from training.telemetry import StepLog
+
+    n = 20_000
+    with open(tmp_path / StepLog.NAME, "w") as f:
+        for i in range(1, n + 1):
+            attempt = "A" if i <= 15_000 else "B"  # B resumed from step 15,000 after a 5 s outage
+            t = float(i) if attempt == "A" else float(i) + 5.0
+            f.write(json.dumps({"step": i, "step_s": 1.0, "t": t, "attempt": attempt, "world": 2}) + "\n")
+        f.write('{"step": 20001, "step_s": 1.')  # the crash
+    assert StepLog.last(tmp_path) == {"step": n, "step_s": 1.0, "t": n + 5.0, "attempt": "B", "world": 2}
+    stream = StepLog.iter(tmp_path)
+    assert not isinstance(stream, list)
+    got = lineage_summary(stream, start=0.0, end=n + 5.0)
+    assert got["productive_s"] == n and got["lost_to_restarts_s"] == 5.0 and got["lost_device_s"] == 10.0
+    assert got["device_s"] == (n + 5.0) * 2
+    assert StepLog.last(tmp_path / "missing") is None
