@@ -35,6 +35,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+# Reading the run summary back downloads an artifact; MLflow's progress bar for that is noise in
+# every task log (carriage returns in a file).
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
 TAG_DAG_ID = "airflow.dag_id"
 TAG_DAG_RUN_ID = "airflow.dag_run_id"
 TAG_AIRFLOW_URL = "airflow.url"
