@@ -49,11 +49,11 @@ demo: $(STAMP)
 # share the 2-core machine well (tests/conftest.py keeps the live stack and the image on one each).
 PYTEST_WORKERS ?= 2
 test: $(STAMP) chromium podman
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
 
 # The tests not marked slow (no live Airflow, no full DAG runs): a few minutes, for a quick check.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
 
 # The web-UI test drives Debian's chromium headless. Installed here when missing and we may.
 chromium:

@@ -42,18 +42,27 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), 
 sys.path.insert(0, str(ROOT / "plugins"))
 
 
-# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup). Tests that share an
-# expensive session fixture run on one worker, so it is started once: the live Airflow stack, and
-# the container engine with the image it builds. Everything else is spread over both workers.
-_GROUPS = {"live_airflow": "live", "container_engine": "containers"}
+# `make test` runs the suite on two pytest-xdist workers. Tests that share an expensive session
+# fixture run on one worker, in their order, so it is started once: the live Airflow stack
+# (tests/e2e/test_live_*.py) and the container engine with the image it builds. Every other test
+# goes to whichever worker is free. Written here rather than with xdist's own `xdist_group`
+# marker, which pytest-xdist 3.8 applies through a node attribute that pytest 9 no longer reads.
+CONTAINER_MODULES = ("test_images.py", "test_pods.py")
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = next((g for fixture, g in _GROUPS.items() if fixture in getattr(item, "fixturenames", ())), None)
-        if group and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = Path(nodeid.split("::", 1)[0]).name
+            if module.startswith("test_live_"):
+                return "live-airflow"
+            if module in CONTAINER_MODULES:
+                return "containers"
+            return nodeid
+
+    return SharedFixtureScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
