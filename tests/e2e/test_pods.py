@@ -154,7 +154,8 @@ def test_preemption_checkpoints_exits_75_and_the_job_resumes_without_counting_it
     preempted pod: SIGTERM to the launcher, SIGKILL after the grace. Each link: the ranks (of both
     pods) agree on a step and write its checkpoint, well inside the grace; each launcher exits 75;
     the Job's own podFailurePolicy Ignores 75 (backoffLimit 0: one counted failure would fail the
-    Job); the replacement pods resume from that checkpoint and finish."""
+    Job); the replacement pods resume from that checkpoint and finish; the upload pod then commits the
+    final checkpoint from the volume (checkpoint_location=local)."""
     run = pods_run(k8s_backoff_limit=0, steps=60, checkpoint_every=30, k8s_termination_grace_s=45,
                    checkpoint_location="local")
     run.validate()
@@ -184,6 +185,16 @@ def test_preemption_checkpoints_exits_75_and_the_job_resumes_without_counting_it
     resumed = played.pods[0].logs()
     assert "restart 0, resuming from" in resumed and f"(step {step})" in resumed, resumed[-3000:]
     assert f"train: done at step {run.params['steps']}" in resumed
+
+    # checkpoint_location=local: the upload pod commits the final checkpoint from the volume.
+    from training_airflow.backends.kubernetes.operators import confirm_commit
+
+    upload = run.upload()
+    assert upload.phase == "Succeeded", upload.logs()[-3000:]
+    handoff = confirm_commit(run.params, run.opened, job=played.status())
+    assert handoff["final_step"] == run.params["steps"]
+    manifest = _final_manifest_matches(run.s3_endpoint, handoff["checkpoint_uri"])
+    assert {"__0_0.distcp", "__1_0.distcp", "model.safetensors"} <= {f["path"] for f in manifest["files"]}
 
 
 def _until_stuck(run: PodsRun, limit_s: float) -> tuple[str | None, float, PlayedJob]:
