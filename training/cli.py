@@ -93,14 +93,17 @@ def _cmd_train(a: argparse.Namespace) -> int:
     if a.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    from training import distributed
     from training.train import EXIT_PREEMPTED, Preempted, run
 
+    code = 0
     try:
         run(cfg)
     except Preempted as e:
         print(f"train: preempted; checkpoint written at step {e.args[0]}; run again to resume", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
-    return 0
+        code = EXIT_PREEMPTED
+    distributed.release()  # the model went with the exception: the group can go now
+    return code
 
 
 def _cmd_upload(a: argparse.Namespace) -> int:

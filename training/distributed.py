@@ -13,6 +13,7 @@ import datetime
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,9 +71,34 @@ def init(timeout_s: int) -> DistInfo:
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
 
 
+# The default group's Python handle from cleanup() to release(), and the DDP modules alive; see cleanup().
+_held: list[Any] = []
+_ddp_alive: weakref.WeakSet = weakref.WeakSet()
+
+
 def cleanup() -> None:
+    """Destroy the process group, keeping its Python handle until ``release()``.
+
+    Why the handle: a gloo group's C++ destructor joins its worker threads. Its Python handle
+    releases the GIL before destroying it; DDP's Reducer, whose binding keeps the GIL, does not.
+    A worker that has just finished a collective frees that collective's tensors, which needs
+    the GIL when Python created them (``broadcast_object_list``'s, at the end of every checkpoint
+    save). If the Reducer holds the last reference, the join with the GIL held waits for a worker
+    that waits for the GIL: the rank hangs at exit until torchrun kills it (pytorch/pytorch#56297;
+    seen after a preemption, whose exception keeps the model alive past this call). With the
+    handle kept, the Reducer never holds the last reference.
+    """
     if dist.is_initialized():
+        _held.append(dist.group.WORLD)
         dist.destroy_process_group()
+
+
+def release() -> None:
+    """Drop the handle ``cleanup()`` kept, once training's exception (if any) is gone. A DDP model
+    still alive (kept by a reference cycle) keeps it until the interpreter exits, when the
+    workers are long idle."""
+    if not _ddp_alive:
+        _held.clear()
 
 
 class CommTimer:
@@ -283,6 +309,7 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
             bucket_cap_mb=cfg.bucket_cap_mb,
         )
         wrapped.register_comm_hook(timer, _timed(HOOKS[cfg.comm_hook]))
+        _ddp_alive.add(wrapped)
         return wrapped, timer
     if cfg.strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -22,6 +22,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import signal
 import struct
 import threading
@@ -96,13 +97,19 @@ class RankRecord:
 class Phase:
     """What this rank is doing now; components set ``now`` before work that can fail or hang."""
 
-    def __init__(self, record: RankRecord | None = None) -> None:
+    # gloo: "Timed out waiting 5000ms for recv ...", "Application timeout caused pair closure";
+    # NCCL: "Watchdog caught collective operation timeout".
+    TIMEOUT = re.compile(r"time[d ]?\s?out", re.IGNORECASE)
+
+    def __init__(self, record: RankRecord | None = None, collective_timeout_s: float | None = None) -> None:
         self.now = "setup"
         self.record = record
+        self.collective_timeout_s = collective_timeout_s
 
     @contextlib.contextmanager
     def names_failures(self, info: distributed.DistInfo, step: Callable[[], int]):
-        """Re-raise a failure inside as ``rank R/W: PHASE failed at step S: ...`` (and record it)."""
+        """Re-raise a failure inside as ``rank R/W: PHASE failed at step S: ...`` (and record it);
+        a collective that timed out is named as such, with what to do."""
         try:
             yield
         except Preempted:
@@ -110,7 +117,12 @@ class Phase:
         except Exception as e:
             if self.record is not None:
                 self.record.failed(self.now, step(), e)
-            raise RuntimeError(f"rank {info.rank}/{info.world_size}: {self.now} failed at step {step()}: {e}") from e
+            cause = ""
+            if self.collective_timeout_s and self.TIMEOUT.search(str(e)):
+                cause = (f"a collective timed out after collective_timeout_s={self.collective_timeout_s:g}s (another "
+                         "rank stopped responding: read the other ranks' logs; if a step legitimately takes that "
+                         "long, raise collective_timeout_s): ")
+            raise RuntimeError(f"rank {info.rank}/{info.world_size}: {self.now} failed at step {step()}: {cause}{e}") from e
 
 
 class Preemption:

@@ -127,7 +127,7 @@ class Trainer:
         self.task, self.target_var = spec["task"], target_variance(spec)
         self.startup = startup or StartupClock()
         self.record = RankRecord(Path(cfg.output_dir) if cfg.output_dir else None, info.rank)
-        self.phase = Phase(self.record)
+        self.phase = Phase(self.record, cfg.collective_timeout_s)
         _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
         self.model, self.comm_timer = distributed.parallelize(build_model(self.spec), cfg, info)
         # DDP: the fused AdamW kernel, one call per step instead of a Python loop over the

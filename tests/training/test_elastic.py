@@ -69,16 +69,16 @@ def test_sigterm_to_the_agent_ends_in_a_checkpoint_and_exit_75(dataset, tmp_path
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not ((StepLog.last(tmp_path / "out") or {}).get("step", 0) >= 8):
         time.sleep(0.05)
-    signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)  # what the kubelet (or `podman stop`) sends a container's main process
     out, _ = proc.communicate(timeout=120)
-    took = time.monotonic() - signalled
     assert proc.returncode == 75, out[-3000:]
     assert out.count("train: preempted; checkpoint written at step") == 2
     stopped = [p for p in (tmp_path / "ck").iterdir() if (p / "manifest.json").exists()]
     assert len(stopped) == 1 and 8 <= int(stopped[0].name[5:]) < 400
-    assert "elastic: preempted" in out.strip().splitlines()[-1]
-    assert took < 20, f"{took:.1f}s from SIGTERM to exit"
+    # Both ranks exited by themselves after the checkpoint, within --shutdown-timeout (30 s): none
+    # was left for the agent to kill (a rank that hung at exit showed up here as [-9, 75]).
+    assert out.strip().splitlines()[-1].startswith("elastic: preempted: the ranks agreed on a step and wrote its "
+                                                   "checkpoint (rank exit statuses [75, 75])"), out[-3000:]
 
 
 @pytest.mark.slow
