@@ -74,11 +74,13 @@ class RankRecord:
         if self._map is not None:
             self.BEAT.pack_into(self._map, 0, step, time.time())
 
-    def failed(self, phase: str, step: int, error: BaseException) -> None:
+    def failed(self, phase: str, step: int, error: BaseException, cause: str = "") -> None:
+        """Record the failure; ``cause``: what the error means, when the trainer knows (a timeout)."""
         if self.folder is not None:
             first = next((l for l in str(error).splitlines() if l.strip()), type(error).__name__)
+            said = f"{cause}: " if cause else ""
             atomic_write(self.folder / f"rank{self.rank}.json", json.dumps(
-                {"rank": self.rank, "phase": phase, "step": step, "error": f"{type(error).__name__}: {first}"[:500],
+                {"rank": self.rank, "phase": phase, "step": step, "error": f"{said}{type(error).__name__}: {first}"[:500],
                  "time": time.time()}) + "\n")
 
     @classmethod
@@ -115,14 +117,13 @@ class Phase:
         except Preempted:
             raise
         except Exception as e:
+            cause = (f"a collective timed out after collective_timeout_s={self.collective_timeout_s:g}s"
+                     if self.collective_timeout_s and self.TIMEOUT.search(str(e)) else "")
             if self.record is not None:
-                self.record.failed(self.now, step(), e)
-            cause = ""
-            if self.collective_timeout_s and self.TIMEOUT.search(str(e)):
-                cause = (f"a collective timed out after collective_timeout_s={self.collective_timeout_s:g}s (another "
-                         "rank stopped responding: read the other ranks' logs; if a step legitimately takes that "
-                         "long, raise collective_timeout_s): ")
-            raise RuntimeError(f"rank {info.rank}/{info.world_size}: {self.now} failed at step {step()}: {cause}{e}") from e
+                self.record.failed(self.now, step(), e, cause)
+            said = (f"{cause} (another rank stopped responding: read the other ranks' logs; if a step legitimately "
+                    "takes that long, raise collective_timeout_s): ") if cause else ""
+            raise RuntimeError(f"rank {info.rank}/{info.world_size}: {self.now} failed at step {step()}: {said}{e}") from e
 
 
 class Preemption:
