@@ -1,6 +1,6 @@
 """The soak's assertions in three minutes (benchmarks/soak.py; the hour-long run's figures are in
 docs/benchmarks.md): a real 2-rank torchrun group checkpointing every 20 s with retention, watched
-from outside: disk bounded by retention, each rank's memory and the step time flat, one MLflow
+from outside: disk bounded by retention, each rank's memory and CPU time per step flat, one MLflow
 point per log interval, and a clean preemption at the end."""
 
 import subprocess
