@@ -42,25 +42,33 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), 
 sys.path.insert(0, str(ROOT / "plugins"))
 
 
-# `make test` runs the suite on two pytest-xdist workers. Tests that share an expensive session
-# fixture run on one worker, in their order, so it is started once: the live Airflow stack
-# (tests/e2e/test_live_*.py) and the container engine with the image it builds. Every other test
-# goes to whichever worker is free. Written here rather than with xdist's own `xdist_group`
-# marker, which pytest-xdist 3.8 applies through a node attribute that pytest 9 no longer reads.
+# `make test` runs the suite on two pytest-xdist workers. Tests that share an expensive fixture
+# run on one worker, in their order, so it is built once: the live Airflow stack
+# (tests/e2e/test_live_*.py), the container engine with the image it builds, and a module's
+# fixture of module scope (trained runs that several tests read). Every other test goes to
+# whichever worker is free. Written here rather than with xdist's own `xdist_group` marker, which
+# pytest-xdist 3.8 applies through a node attribute that pytest 9 no longer reads.
 CONTAINER_MODULES = ("test_images.py", "test_pods.py")
 
 
 def pytest_xdist_make_scheduler(config, log):
+    from functools import cache
+
     from xdist.scheduler import LoadScopeScheduling
+
+    @cache
+    def shares_a_module_fixture(path: str) -> bool:
+        return 'scope="module"' in (Path(config.rootpath) / path).read_text(encoding="utf-8")
 
     class SharedFixtureScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = Path(nodeid.split("::", 1)[0]).name
+            path = nodeid.split("::", 1)[0]
+            module = Path(path).name
             if module.startswith("test_live_"):
                 return "live-airflow"
             if module in CONTAINER_MODULES:
                 return "containers"
-            return nodeid
+            return path if shares_a_module_fixture(path) else nodeid
 
     return SharedFixtureScheduling(config, log)
 
