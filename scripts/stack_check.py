@@ -234,7 +234,7 @@ class PodmanChores(threading.Thread):
         self.due: dict[str, float] = {}
 
     def run(self) -> None:
-        while not self.stop.wait(1):
+        while not self.stop.wait(2):
             names = self.e("ps", "--all", "--filter", f"label=com.docker.compose.project={PROJECT}", "--format",
                            "{{.Names}}", check=False, timeout=60).stdout.split()
             if not names:

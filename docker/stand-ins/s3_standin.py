@@ -11,14 +11,15 @@ defaults to http://localhost:9000, as in the MinIO image.
 
 import os
 import sys
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 
 def endpoint(alias: str) -> tuple[str, str | None, str | None]:
     url = urlsplit(os.environ.get(f"MC_HOST_{alias}", "http://localhost:9000" if alias == "local" else ""))
     if not url.hostname:
         sys.exit(f"mc: no alias {alias!r} (set MC_HOST_{alias})")
-    return f"{url.scheme}://{url.hostname}:{url.port or 9000}", url.username, url.password
+    user, password = (unquote(v) if v else v for v in (url.username, url.password))
+    return f"{url.scheme}://{url.hostname}:{url.port or 9000}", user, password
 
 
 def client(alias: str):
