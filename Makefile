@@ -92,8 +92,8 @@ images: $(STAMP)
 
 # `make stack-check`: the compose stack up for real (podman; stand-ins for the registry images where
 # none is reachable), the README's steps, one DAG run through the REST API, its MLflow run and
-# checkpoint checked, the stack and its volumes removed. By hand, not in `make test`: about 15
-# minutes on two cores the first time (docs/operations.md).
+# checkpoint checked, the stack and its volumes removed. By hand, not in `make test`: 6 to 8
+# minutes on two cores the first time, under 3 after (docs/operations.md).
 stack-check: $(STAMP) podman
 	$(BIN)/python scripts/stack_check.py
 

@@ -2,7 +2,7 @@
 
     python scripts/stack_check.py [--keep] [--timeout-s 1800]
 
-Not part of `make test` (it takes a quarter of an hour on two cores); run it by hand after changing
+Not part of `make test` (6 to 8 minutes on two cores the first time); run it by hand after changing
 docker-compose.yaml, docker/airflow.Dockerfile or what the images hold. In order:
 
 1. Images. Where no registry is reachable (these machines) the registry images the compose file
