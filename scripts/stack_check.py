@@ -363,12 +363,18 @@ def run_dag(af: Airflow, bucket: str, clock: Clock, timeout: float) -> dict[str,
         raise CheckFailed(f"POST /api/v2/dags/{DAG}/dagRuns answered {r.status_code}: {r.text[:500]}")
     run_id = r.json()["dag_run_id"]
     log(f"triggered {run_id} with {json.dumps(conf)}")
+    def tasks() -> dict[str, tuple[str, float | None]]:
+        tis = af.api("GET", af.run_path(run_id) + "/taskInstances").json()["task_instances"]
+        return {ti["task_id"]: (ti["state"], ti.get("duration")) for ti in tis}
+
     with clock.phase("DAG run (trigger to final state)"):
-        run = wait_for(f"DAG run {run_id} to end",
-                       lambda: (lambda d: d if d.get("state") in ("success", "failed") else None)(
-                           af.api("GET", af.run_path(run_id)).json()), timeout, every=5)
-    tis = af.api("GET", af.run_path(run_id) + "/taskInstances").json()["task_instances"]
-    run["tasks"] = {ti["task_id"]: (ti["state"], ti.get("duration")) for ti in tis}
+        try:
+            run = wait_for(f"DAG run {run_id} to end",
+                           lambda: (lambda d: d if d.get("state") in ("success", "failed") else None)(
+                               af.api("GET", af.run_path(run_id)).json()), timeout, every=5)
+        except CheckFailed as e:
+            raise CheckFailed(f"{e}; its tasks: {tasks()}") from None
+    run["tasks"] = tasks()
     if run["state"] != "success":
         failed = [t for t, (s, _) in run["tasks"].items() if s != "success"]
         raise CheckFailed(f"DAG run {run_id} ended {run['state']}; tasks not successful: {failed} "
