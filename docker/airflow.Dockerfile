@@ -16,7 +16,13 @@ COPY --chown=airflow:root constraints.txt /tmp/constraints.txt
 # The pins are those of requirements.txt (a test keeps them equal).
 # constraints.txt pins a local CPU build of torch (torch==X+cpu) that only exists on a CPU wheel
 # index: torch is installed on its own first, every other pin applies as is.
-RUN grep -v '^torch==' /tmp/constraints.txt > /tmp/constraints-no-torch.txt \
+# Behind a proxy, pip's configuration comes in only for this step, as build secrets readable by the
+# airflow user (never in a layer; `make images` passes them):
+#   --secret id=pip.conf,src=pip.conf [--secret id=pip-ca,src=proxy-ca.crt]
+# PIP_CONFIG_FILE names the secret's path; pip skips it when no secret was given.
+RUN --mount=type=secret,id=pip.conf,uid=50000 --mount=type=secret,id=pip-ca,uid=50000 \
+    export PIP_CONFIG_FILE=/run/secrets/pip.conf \
+    && grep -v '^torch==' /tmp/constraints.txt > /tmp/constraints-no-torch.txt \
     && if [ -n "${TORCH_INDEX_URL}" ]; then \
         pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==2.13.0"; \
     else \

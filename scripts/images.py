@@ -189,14 +189,19 @@ def pip_build_args(e: Engine, workdir: Path) -> list[str]:
 # --------------------------------------------------------------------------- builds
 
 
-def build(e: Engine, dockerfile: str, tag: str, *, build_args: dict[str, str] | None = None) -> str:
+def build(e: Engine, dockerfile: str, tag: str, *, build_args: dict[str, str] | None = None,
+          context: Path = ROOT, target: str | None = None) -> str:
+    """Build docker/<dockerfile> from `context` (the repository by default) with the host's pip
+    configuration at build time only; `target` picks a stage of a multi-stage file."""
     cmd = ["build", "--file", str(DOCKER / dockerfile), "--tag", tag, "--network=host"]
     if e.name == "podman":
         cmd += ["--format", "docker"]  # else the Dockerfile's SHELL line is ignored and RUN uses /bin/sh
+    if target:
+        cmd += ["--target", target]
     cmd += [a for k, v in (build_args or {}).items() for a in ("--build-arg", f"{k}={v}")]
     with tempfile.TemporaryDirectory(prefix="pip-build-") as tmp:
         cmd += pip_build_args(e, Path(tmp))
-        out = e(*cmd, str(ROOT), capture=False, check=False)
+        out = e(*cmd, str(context), capture=False, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{e.name} build of {dockerfile} failed ({out.returncode}); its output is above")
     return tag
