@@ -19,7 +19,7 @@ import boto3
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.e2e.pods import PlayedJob, PodsRun
+from tests.e2e.pods import PlayedJob, PodsRun, pod_address
 from training.tracking import summary_of
 
 # What the local backend logs for the same run (docs/architecture.md, "Metrics (one schema)").
@@ -245,7 +245,7 @@ def test_a_rendezvous_port_taken_by_something_else_fails_in_the_rendezvous_timeo
     run = pods_run(k8s_rdzv_timeout_s=10, k8s_backoff_limit=0)
     squatter = socket.socket()
     squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    squatter.bind(("0.0.0.0", run.params["k8s_rdzv_port"]))
+    squatter.bind((pod_address(0), run.params["k8s_rdzv_port"]))  # pod 0's store, which binds every address, cannot
     squatter.listen(16)  # accepts connections (the kernel does), never answers
     try:
         run.validate()

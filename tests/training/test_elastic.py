@@ -131,7 +131,7 @@ def test_a_port_that_answers_but_is_no_store_is_ended_by_the_watchdog(dataset, t
     port = free_port()
     squatter = socket.socket()
     squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    squatter.bind(("0.0.0.0", port))
+    squatter.bind(("127.0.0.1", port))
     squatter.listen(16)
     try:
         start = time.monotonic()
