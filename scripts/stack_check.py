@@ -50,6 +50,8 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import images  # noqa: E402  (scripts/images.py: the engine, the Debian base, builds with pip secrets)
 
+from training.util import stop_process  # noqa: E402
+
 ROOT = images.ROOT
 COMPOSE_FILE = ROOT / "docker-compose.yaml"
 STAND_INS = "stand-ins"  # under docker/
@@ -211,11 +213,7 @@ def docker_api(e: images.Engine) -> Iterator[dict[str, str]]:
             time.sleep(0.2)
         yield {**e.env, "DOCKER_HOST": f"unix://{SOCKET}"}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 class PodmanChores(threading.Thread):

@@ -29,6 +29,18 @@ def wait_for_port(port: int, timeout: float = 30.0) -> None:
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
+def stop_process(proc, timeout_s: float = 30) -> None:
+    """SIGTERM a ``subprocess.Popen``, wait up to ``timeout_s`` for it, then SIGKILL it."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def atomic_write(path: str | Path, data: str | bytes, *, tmp_suffix: str = ".tmp") -> None:
     """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one, never
     a part: a temporary file beside it (``path`` + ``tmp_suffix``), fsync, then rename over it."""

@@ -19,6 +19,8 @@ from typing import Any
 import requests
 import websocket
 
+from training.util import stop_process
+
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--disable-quic"]
 
@@ -62,12 +64,7 @@ class Browser:
         if self.ws is not None:
             self.ws.close()
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc, 20)
         shutil.rmtree(self.profile, ignore_errors=True)
 
     # ------------------------------------------------------------------ protocol

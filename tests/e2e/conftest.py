@@ -24,7 +24,7 @@ import pytest
 import requests
 
 from tests.e2e.live_airflow import LiveAirflow
-from training.util import free_port
+from training.util import free_port, stop_process
 
 TRAIN, ON_DATA, REGISTER = "distributed_training", "distributed_training_on_data", "register_dataset"
 EXPERIMENT = "distributed_training"  # the data-driven run records here too: one experiment to compare
@@ -76,12 +76,7 @@ def mlflow_ui(mlflow_ui_url, tmp_root):
             time.sleep(1)
         yield mlflow_ui_url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def _bad_copy(dataset: Path, to: Path) -> Path:
