@@ -112,8 +112,11 @@ airflow-up: $(STAMP)
 airflow-down:
 	$(BIN)/python scripts/airflow_local.py down
 
+# The store's tables are created first under the lock the tasks take (training_airflow.settings):
+# a server creating them itself races with tasks that start at the same time.
 mlflow-ui: $(STAMP)
 	mkdir -p var/mlflow
+	$(BIN)/python -c "from training_airflow import settings; settings.ensure_tracking_uri()"
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server --host 127.0.0.1 --port 5000 \
 	  --backend-store-uri $(MLFLOW_TRACKING_URI) --default-artifact-root $(ROOT)/var/mlflow/artifacts
 

@@ -56,6 +56,11 @@ def live_airflow(tmp_root, mlflow_ui_url):
 @pytest.fixture(scope="session")
 def mlflow_ui(mlflow_ui_url, tmp_root):
     """``mlflow server`` as ``make mlflow-ui`` runs it, over the tests' tracking store."""
+    from training_airflow import settings
+
+    # As `make mlflow-ui` does: the store's tables first, under the lock the tasks take. A server
+    # that creates them itself races with tasks doing the same (`table datasets already exists`).
+    settings.ensure_tracking_uri()
     port = mlflow_ui_url.rsplit(":", 1)[1]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log = open(tmp_root / "mlflow-ui.log", "ab")
