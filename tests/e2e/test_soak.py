@@ -1,7 +1,9 @@
 """The soak's assertions in three minutes (benchmarks/soak.py; the hour-long run's figures are in
 docs/benchmarks.md): a real 2-rank torchrun group checkpointing every 20 s with retention, watched
-from outside: disk bounded by retention, each rank's memory and CPU time per step flat, one MLflow
-point per log interval, and a clean preemption at the end."""
+from outside: disk bounded by retention, each rank's memory flat, CPU time per step no more than a
+fresh twin's beside it at the end (the old process against a new one on the same machine at the
+same time, so that load from other tests weighs on both), one MLflow point per log interval, and a
+clean preemption at the end."""
 
 import subprocess
 import sys
