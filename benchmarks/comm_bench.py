@@ -12,12 +12,20 @@ exposed time (what the step waited for after backward had no compute left), expo
 (goal <= 0.60 with >= 4 buckets; 1.0 means nothing was hidden) and samples/s; then fp16
 compression's exposed time over the uncompressed one's at each bucket size, per round and the
 median (goal <= 0.7).
+
+``--link-mbit N`` runs the whole sweep inside a network namespace of its own (``unshare --net``,
+root or CAP_SYS_ADMIN + CAP_NET_ADMIN) whose loopback is shaped by a token-bucket filter to N
+Mbit/s: both ranks then talk over a link whose bytes cost time, as between two nodes, shared by
+both directions (every packet leaves through the namespace's ``lo`` once). Plain loopback moves
+bytes at memory speed, so there only the hook's casts show; nothing outside the namespace is
+shaped.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,6 +36,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def _reexec_on_shaped_link(mbit: float) -> None:
+    """Run this script again inside a new network namespace whose loopback is limited to ``mbit``.
+
+    tc's token-bucket filter is the kernel's own shaper; a bucket of 1 ms at the rate (at least
+    one 64 KiB loopback packet) and a queue of 200 ms keep TCP from losing packets to the shaper.
+    """
+    missing = [tool for tool in ("unshare", "ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"--link-mbit needs {', '.join(missing)} (util-linux, iproute2); or run without --link-mbit")
+    burst = max(int(mbit * 1e6 / 8 / 1000), 65536 + 1500)
+    shaped = (f"ip link set lo up && tc qdisc add dev lo root tbf rate {mbit:g}mbit burst {burst} latency 200ms "
+              f'&& exec "$@"')
+    env = {**os.environ, "COMM_BENCH_LINK": str(mbit)}
+    try:
+        os.execvpe("unshare", ["unshare", "--net", "--", "sh", "-c", shaped, "sh", sys.executable, *sys.argv], env)
+    except OSError as exc:
+        raise SystemExit(f"--link-mbit: could not start a network namespace ({exc}); run as root, or without "
+                         "--link-mbit") from exc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=256)
@@ -36,7 +64,11 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--link-mbit", type=float, default=0,
+                    help="emulate a link of this many Mbit/s between the ranks (0: plain loopback)")
     a = ap.parse_args()
+    if a.link_mbit and os.environ.get("COMM_BENCH_LINK") != str(a.link_mbit):
+        _reexec_on_shaped_link(a.link_mbit)
     work = Path(tempfile.mkdtemp(prefix="comm-bench-"))
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -57,7 +89,8 @@ def main() -> int:
     client = MlflowClient()
     parent = client.create_run(get_or_create_experiment("comm_bench"), run_name="comm bench").info.run_id
     load0 = os.getloadavg()[0]
-    print(f"transformer d={a.hidden} x {a.depth} blocks, batch {a.batch_size}, 2 gloo ranks, {a.steps} steps, "
+    link = f"a {a.link_mbit:g} Mbit/s link (tbf on a namespace's loopback)" if a.link_mbit else "plain loopback"
+    print(f"{link}; transformer d={a.hidden} x {a.depth} blocks, batch {a.batch_size}, 2 gloo ranks, {a.steps} steps, "
           f"{a.repeats} rounds of {len(points) // a.repeats} settings  [load {load0:.2f} at the start]", flush=True)
     results = run_sweep(experiment="comm_bench", parent_run_id=parent, points=points, base=base, work=work / "points",
                         echo=lambda line: None)
