@@ -118,9 +118,9 @@ class Cluster:
         for pod in self.pods:
             pod.remove()
         for name in self.volumes:
-            self.engine("volume", "rm", "-f", name, check=False)
+            self.engine("volume", "rm", "-f", name, check=False, timeout=120)
         for name in self.secrets:
-            self.engine("secret", "rm", name, check=False)
+            self.engine("secret", "rm", name, check=False, timeout=120)
 
 
 @dataclass
@@ -256,8 +256,15 @@ class PlayedPod:
         return self.cluster.engine("stop", "--time", str(grace_s), self.container_name(), timeout=grace_s + 60)
 
     def remove(self) -> None:
+        # Checked and retried: once, under heavy load, `pod rm -f` left a pod whose container had
+        # exited ("Degraded"), and podman 4.3's `volume rm -f` of a volume that pod still used then
+        # hung on its own lock for good (cleanup removes the volumes next).
         for name in self.played:
-            self.cluster.engine("pod", "rm", "-f", "--time", "0", name, check=False, timeout=120)
+            for attempt in range(3):
+                self.cluster.engine("pod", "rm", "-f", "--time", "0", name, check=False, timeout=120)
+                if self.cluster.engine("pod", "exists", name, check=False, timeout=60).returncode != 0:
+                    break
+                time.sleep(1 + attempt)
         self.played.clear()
 
     def v1pod(self) -> Any:
