@@ -48,17 +48,18 @@ from training.util import free_port  # noqa: E402
 LOG_EVERY = 50
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (field 3 on: state, ppid, ...), None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
+    return [int(entry.name) for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and (fields := _stat_fields(entry.name)) and int(fields[1]) == pid]
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -73,12 +74,8 @@ def _rss_mib(pid: int) -> float | None:
 
 def _cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a process so far."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    fields = _stat_fields(pid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_per_step(window: list[dict]) -> float:

@@ -42,13 +42,16 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), 
 sys.path.insert(0, str(ROOT / "plugins"))
 
 
-# `make test` runs the suite on two pytest-xdist workers. Tests that share an expensive fixture
-# run on one worker, in their order, so it is built once: the live Airflow stack
-# (tests/e2e/test_live_*.py), the container engine with the image it builds, and a module's
-# fixture of module scope (trained runs that several tests read). Every other test goes to
-# whichever worker is free. Written here rather than with xdist's own `xdist_group` marker, which
+# `make test` runs the suite on three pytest-xdist workers (on two cores: much of the time a test
+# waits on Airflow's scheduler, a container or a timeout, and the third worker uses those gaps).
+# Tests that share an expensive fixture run on one worker, in their order, so it is built once:
+# the live Airflow stack (tests/e2e/test_live_*.py), the container engine with the image it
+# builds, and a module's fixture of module scope (trained runs that several tests read). Every
+# other test goes to whichever worker is free; the longest single test (the 3-minute soak) starts
+# first rather than last. Written here rather than with xdist's own `xdist_group` marker, which
 # pytest-xdist 3.8 applies through a node attribute that pytest 9 no longer reads.
 CONTAINER_MODULES = ("test_images.py", "test_pods.py")
+FIRST = ("tests/e2e/test_soak.py",)
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -69,6 +72,11 @@ def pytest_xdist_make_scheduler(config, log):
             if module in CONTAINER_MODULES:
                 return "containers"
             return path if shares_a_module_fixture(path) else nodeid
+
+        def _assign_work_unit(self, node) -> None:
+            for scope in [s for s in self.workqueue if s.startswith(FIRST)]:
+                self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return SharedFixtureScheduling(config, log)
 
