@@ -134,6 +134,7 @@ def main() -> int:
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name("soak") or client.get_experiment(client.create_experiment("soak"))
     run_id = client.create_run(exp.experiment_id, run_name=f"soak {a.minutes:g} min").info.run_id
+
     def launch(name: str, run: str):
         folder = work / name
         cmd = torchrun_command(_sets({**base, "steps": 10_000_000, "checkpoint_every": every,
