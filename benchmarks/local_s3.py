@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from training.util import free_port, wait_for_port
+from training.util import free_port, stop_process, wait_for_port
 
 
 @contextlib.contextmanager
@@ -32,8 +32,7 @@ def moto_s3(bucket: str) -> Iterator[Any]:
         client.create_bucket(Bucket=bucket)
         yield client
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        stop_process(server, 10)
 
 
 def empty_bucket(client: Any, bucket: str) -> None:

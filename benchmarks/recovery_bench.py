@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from scripts import images
     from training.datasets import make_teacher_dataset
-    from training.util import free_port
+    from training.util import free_port, stop_process
     from training_airflow.backends.kubernetes import spec
 
     if args.last_call is not None:
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['rendezvous_s']:.1f} + start {r['start_s']:.1f} + resume {r['resume_s']:.1f}; "
                   f"{r['steps_lost']} steps lost (resumed at {r['resumed_at_step']})", flush=True)
     finally:
-        moto.terminate()
-        mlflow_proc.terminate()
+        stop_process(moto, 10)
+        stop_process(mlflow_proc)
     med = {k: statistics.median(r[k] for r in results) for k in results[0]}
     print(f"median of {len(results)}: recovery {med['recovery_s']:.1f}s = detect {med['detect_s']:.1f} + rendezvous "
           f"{med['rendezvous_s']:.1f} + start {med['start_s']:.1f} + resume {med['resume_s']:.1f} "

@@ -361,6 +361,7 @@ def run_dag(af: Airflow, bucket: str, clock: Clock, timeout: float) -> dict[str,
         raise CheckFailed(f"POST /api/v2/dags/{DAG}/dagRuns answered {r.status_code}: {r.text[:500]}")
     run_id = r.json()["dag_run_id"]
     log(f"triggered {run_id} with {json.dumps(conf)}")
+
     def tasks() -> dict[str, tuple[str, float | None]]:
         tis = af.api("GET", af.run_path(run_id) + "/taskInstances").json()["task_instances"]
         return {ti["task_id"]: (ti["state"], ti.get("duration")) for ti in tis}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from training.launch import torchrun_command
-from training.util import free_port, wait_for_port  # noqa: F401 (tests import both from here)
+from training.util import free_port, stop_process, wait_for_port  # noqa: F401 (tests import the first and last)
 
 ROOT = Path(__file__).resolve().parents[1]
 _TMP = Path(tempfile.mkdtemp(prefix="dtp-tests-"))
@@ -129,8 +129,7 @@ def s3_server():
         wait_for_port(port)
         yield {"endpoint": endpoint, "process": proc}
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop_process(proc, 10)
         if old is None:
             os.environ.pop("AWS_ENDPOINT_URL", None)
         else:

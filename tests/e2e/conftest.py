@@ -151,5 +151,4 @@ def mlflow_server(tmp_root):
     try:
         yield addresses
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_process(proc)
