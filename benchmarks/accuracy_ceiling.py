@@ -31,9 +31,9 @@ GRID = [  # hidden, depth, lr, global batch, steps
 def recipe_accuracy(x, y, xv, yv, hidden: int, depth: int, lr: float, batch: int, steps: int) -> list[tuple[int, float]]:
     import torch
 
-    from training.config import TrainConfig
-    from training.data import ShardedSampler
-    from training.models import MLP
+    from training.config.train_config import TrainConfig
+    from training.data.sampler import ShardedSampler
+    from training.models.builtin import MLP
     from training.train import lr_lambda
 
     torch.manual_seed(1234)
@@ -83,7 +83,7 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
-    from training.data import load_split
+    from training.data.dataset import load_split
 
     data = Path(tempfile.mkdtemp(prefix="accuracy-ceiling-")) / "teacher"
     subprocess.run([sys.executable, "-m", "training", "make-data", "--out", str(data), "--train-rows", str(a.rows)],

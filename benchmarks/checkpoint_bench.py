@@ -55,8 +55,9 @@ def rank_save(a) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from training import storage
-    from training.checkpoint_io import StoreWriter
+    from training.checkpoint import commit as storage
+    from training.store import open_store
+    from training.checkpoint.dcp_io import StoreWriter
 
     dist.init_process_group("gloo")
     layers = max(1, round(a.mb / 64))  # 4096 x 4096 fp32 = 64 MiB each
@@ -65,7 +66,7 @@ def rank_save(a) -> None:
         fully_shard(layer)
     fully_shard(model)
     state = {"model": get_model_state_dict(model)}
-    loc = storage.Location(storage.open_store(f"s3://{BUCKET}/ours/{a.tag}"))
+    loc = storage.Location(open_store(f"s3://{BUCKET}/ours/{a.tag}"))
     sizes: list[int] = []
     seconds = []
     for step in (1, 2):  # the first save warms up (connection pool, upload threads); the second is timed

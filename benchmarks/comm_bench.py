@@ -75,8 +75,8 @@ def main() -> int:
     os.environ.pop("MLFLOW_RUN_ID", None)
     from mlflow.tracking import MlflowClient
 
-    from training.bench import _after_warmup, grid, run_sweep, summarize, summary_table
-    from training.tracking import get_or_create_experiment
+    from training.results.bench import _after_warmup, grid, run_sweep, summarize, summary_table
+    from training.tracking.run import get_or_create_experiment
 
     data = work / "markov"
     subprocess.run([sys.executable, "-m", "training", "make-data", "--kind", "markov", "--out", str(data),

@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from training.launch import TRAIN, torchrun_command  # noqa: E402 (after the path is set)
+from training.distributed.launch import TRAIN, torchrun_command  # noqa: E402 (after the path is set)
 from training.util import free_port  # noqa: E402
 
 PROGRESS = re.compile(r"^step (\d+)/\d+ \| loss [0-9.]+ \| (\d+) samples/s", re.M)
@@ -95,10 +95,12 @@ def lightning_loop(a) -> None:
     import torch
     import torch.distributed as dist
 
-    from training.config import TrainConfig
-    from training.data import load_split
-    from training.datasets import read_meta
-    from training.models import build_model, loss_fn, model_spec, split_batch
+    from training.config.train_config import TrainConfig
+    from training.data.dataset import load_split
+    from training.data.synthetic import read_meta
+    from training.models.build import build_model
+    from training.models.loss import loss_fn, split_batch
+    from training.models.spec import model_spec
     from training.train import lr_lambda
 
     recipe = TrainConfig(steps=a.steps, dataset_uri=a.data, checkpoint_dir="unused")
@@ -169,10 +171,13 @@ def bare_loop(a) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from training.config import TrainConfig
-    from training.data import ShardedSampler, load_split
-    from training.datasets import read_meta
-    from training.models import build_model, loss_fn, model_spec, split_batch
+    from training.config.train_config import TrainConfig
+    from training.data.dataset import load_split
+    from training.data.sampler import ShardedSampler
+    from training.data.synthetic import read_meta
+    from training.models.build import build_model
+    from training.models.loss import loss_fn, split_batch
+    from training.models.spec import model_spec
     from training.train import lr_lambda
 
     dist.init_process_group("gloo")
@@ -212,7 +217,7 @@ def bare_loop(a) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from training.config import TrainConfig
+    from training.config.train_config import TrainConfig
 
     ap.add_argument("--model", choices=["mlp", "transformer"], default=TrainConfig.model)
     ap.add_argument("--world", type=int, default=2)

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from scripts import images
-    from training.datasets import make_teacher_dataset
+    from training.data.synthetic import make_teacher_dataset
     from training.util import free_port, stop_process
     from training_airflow.backends.kubernetes import spec
 

@@ -41,8 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from training.launch import torchrun_command  # noqa: E402 (after the path is set)
-from training.telemetry import StepLog  # noqa: E402
+from training.distributed.launch import torchrun_command  # noqa: E402 (after the path is set)
+from training.metrics.steps import StepLog  # noqa: E402
 from training.util import free_port  # noqa: E402
 
 LOG_EVERY = 50

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "plugins"))
 
-from training.launch import torchrun_command  # noqa: E402 (after the path is set)
+from training.distributed.launch import torchrun_command  # noqa: E402 (after the path is set)
 from training.util import free_port  # noqa: E402
 
 TRIVIAL_DAGS = '''
@@ -122,8 +122,8 @@ def demo_part(repeats: int, work: Path) -> None:
 def demo_train_config(dataset: Path, folder: Path) -> dict:
     """The demo's trainer config: the form's defaults (TrainConfig + the deployment's), as the
     DAG's train task writes it to train_config.json."""
-    from training.config import TrainConfig
-    from training.fields import specs
+    from training.config.train_config import TrainConfig
+    from training.config.fields import specs
     from training_airflow.params import deployment_defaults
 
     values = {name: s.default for name, s in specs(TrainConfig).items()}
@@ -139,7 +139,7 @@ def torchrun_part(repeats: int, work: Path, world: int) -> None:
 
     import logging
 
-    from training.tracking import RELAY_ENV
+    from training.tracking.relay import RELAY_ENV
     from training_airflow.backends.local import log as launcher_log, rank_env, run_streaming
 
     launcher_log.setLevel(logging.WARNING)  # the ranks' lines are the task log's, not this report's

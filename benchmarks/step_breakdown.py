@@ -39,8 +39,8 @@ def _per_call_us(fn, calls: int = 2000, blocks: int = 5) -> float:
 def local_parts() -> int:
     import torch
 
-    from training.config import TrainConfig
-    from training.models import MLP
+    from training.config.train_config import TrainConfig
+    from training.models.builtin import MLP
 
     torch.set_num_threads(1)
     cfg = TrainConfig(dataset_uri="-")
@@ -89,7 +89,7 @@ def main() -> int:
     n = local_parts()
     print("between 2 gloo ranks on loopback (rank 0's time per call):", flush=True)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    from training.launch import torchrun_command
+    from training.distributed.launch import torchrun_command
     from training.util import free_port
 
     cmd = torchrun_command(["--worker", str(n), "1000", "100000"], nproc_per_node=2, master_port=free_port(),

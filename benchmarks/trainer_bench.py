@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from training.launch import torchrun_command  # noqa: E402 (after the path is set)
+from training.distributed.launch import torchrun_command  # noqa: E402 (after the path is set)
 from training.util import free_port  # noqa: E402
 
 COMBOS = [("ddp", "fp32", "none"), ("ddp", "fp32", "fp16"), ("ddp", "bf16", "none"), ("ddp", "bf16", "fp16"),

@@ -12,7 +12,7 @@ it in the same run, rounds interleaved so both see the same machine load:
   what the ``upload_checkpoint`` task does with ``checkpoint_location=local``.
 
 Prints MiB/s per variant (median of the rounds) and the ratio ours / boto3 default. ``--sweep``
-also tries other part sizes and concurrencies (how the defaults in training/storage.py were chosen).
+also tries other part sizes and concurrencies (how the defaults in training/store/s3.py were chosen).
 The figures measure the client and a local Python S3 server; against a real S3 endpoint the network
 decides, and larger parts with more in flight matter more there.
 """
@@ -44,8 +44,9 @@ def main() -> int:
     a = ap.parse_args()
 
     with moto_s3("bench") as raw:
-        from training import storage
-        from training.s3_store import CONCURRENCY, PART_SIZE
+        from training import store as storage_api
+        from training.checkpoint import commit as storage
+        from training.store.s3 import CONCURRENCY, PART_SIZE
 
         with tempfile.TemporaryDirectory() as tmp:
             ck = Path(tmp) / "step_00000001"
@@ -63,7 +64,7 @@ def main() -> int:
             def boto3_default(i: int) -> None:
                 raw.upload_file(str(data), "bench", f"raw/{i}")
 
-            stores: dict[tuple, storage.S3Store] = {}
+            stores: dict[tuple, storage_api.S3Store] = {}
 
             def ours_put(i: int, **env: str) -> None:
                 # One store object per setting, made before timing starts (like the raw client).
@@ -79,11 +80,11 @@ def main() -> int:
                 part, conc = spec.split("x")
                 variants[f"sweep: put_file, {part} MiB parts, {conc} threads"] = (
                     lambda i, p=part, c=conc: ours_put(i, TRAINING_S3_PART_SIZE_MB=p, TRAINING_S3_CONCURRENCY=c))
-            stores[()] = storage.open_store("s3://bench/ours")
+            stores[()] = storage_api.open_store("s3://bench/ours")
             for spec in filter(None, a.sweep.split(",")):
                 part, conc = spec.split("x")
                 env = {"TRAINING_S3_PART_SIZE_MB": part, "TRAINING_S3_CONCURRENCY": conc}
-                stores[tuple(sorted(env.items()))] = storage.open_store("s3://bench/ours", env)
+                stores[tuple(sorted(env.items()))] = storage_api.open_store("s3://bench/ours", env)
             times: dict[str, list[float]] = {k: [] for k in variants}
             for r in range(a.rounds):
                 for name, fn in variants.items():

@@ -70,8 +70,8 @@ def main() -> int:
     import pandas  # noqa: F401
     import pyarrow.parquet  # noqa: F401
 
-    from training.tables import DataOptions
-    from training.validation import validate
+    from training.data.options import DataOptions
+    from training.data.gate import validate
 
     imports = time.perf_counter() - t0
     results = {}

@@ -3,10 +3,11 @@
 
 One run of this DAG trains one model and records everything in **one MLflow run**:
 
-1. **validate_data** - checks the parameters, opens the MLflow run of this DAG run (a retry
-   re-opens the same one) and runs the Great Expectations data gate. Bad input stops the run here:
-   no rank starts.
-2. **train and commit**, in the task group of the backend:
+1. **open_run** - checks the parameters, then opens the MLflow run of this DAG run (a retry
+   re-opens the same one). Bad parameters stop the run here, before any MLflow run exists.
+2. **validate_data** - runs the Great Expectations data gate on every split and checks the model
+   against the data. Bad data stops the run here: no rank starts.
+3. **train and commit**, in the task group of the backend:
    - *local*: **train** starts `torchrun --nproc-per-node <world_size>` on the worker (DDP/FSDP
      over gloo on CPU, nccl on GPUs). Every K steps each rank writes its shard straight to the
      store (`file://` or `s3://`) and rank 0 commits it: `manifest.json` with every sha256, then
@@ -18,11 +19,11 @@ One run of this DAG trains one model and records everything in **one MLflow run*
      on pod 0, checkpoints straight to the `s3://` store) -> **upload_on_kubernetes** (only with
      `checkpoint_location=local`: a pod uploads the final checkpoint from the PVC) ->
      **confirm_commit**; **delete_rendezvous_service** is the teardown.
-3. **evaluate** - fetches the checkpoint back, verifies it against the manifest, scores the
+4. **evaluate** - fetches the checkpoint back, verifies it against the manifest, scores the
    validation split (`eval/loss`, `eval/accuracy`).
-4. **register** - logs the model to MLflow, registers it, and gives it the `champion` alias if it
+5. **register** - logs the model to MLflow, registers it, and gives it the `champion` alias if it
    beats the current one.
-5. **report** - records the orchestration overhead, draws the run's plots and closes the MLflow run.
+6. **report** - records the orchestration overhead, draws the run's plots and closes the MLflow run.
 
 Every task has the link **MLflow run** (top of the task's page): the MLflow run of this DAG run,
 whose description links back here and carries this run's note.
@@ -68,11 +69,17 @@ def pipeline():
     """The task wiring of a training run, shared by both DAGs below."""
 
     @task
-    def validate_data(params=None, dag=None, run_id=None, dag_run=None, triggering_asset_events=None):
+    def open_run(params=None, dag=None, run_id=None, dag_run=None, triggering_asset_events=None):
         from training_airflow import tasks
 
-        return tasks.validate_data(params, dag_id=dag.dag_id, dag_run_id=run_id, dag_run=dag_run,
-                                   dataset_uri=tasks.dataset_from_events(triggering_asset_events))
+        return tasks.open_run(params, dag_id=dag.dag_id, dag_run_id=run_id, dag_run=dag_run,
+                              dataset_uri=tasks.dataset_from_events(triggering_asset_events))
+
+    @task
+    def validate_data(opened: dict, params=None):
+        from training_airflow import tasks
+
+        return tasks.validate_data(params, opened)
 
     @task
     def evaluate(handoff: dict, params=None):
@@ -93,7 +100,7 @@ def pipeline():
         return tasks.report(params, registered, dag_run_start=dag_run.start_date)
 
     # The backend's task group (backends/): trains and commits the final checkpoint to the store.
-    handoff = backends.train_and_commit(validate_data())
+    handoff = backends.train_and_commit(validate_data(open_run()))
     report(register(evaluate(handoff)))
 
 

@@ -34,8 +34,8 @@ def _defaults() -> dict[str, str]:
 
 
 def configuration_md() -> str:
-    from training.config import ADVANCED, TrainConfig
-    from training.fields import markdown_table, specs
+    from training.config.train_config import ADVANCED, TrainConfig
+    from training.config.fields import markdown_table, specs
     from training_airflow.backends.kubernetes.params import KubernetesParams
     from training_airflow.params import RunParams
 
@@ -83,8 +83,8 @@ MLflow tags on every run, so the compare view lines runs up by them.
 
 
 def readme_section() -> str:
-    from training.config import TrainConfig
-    from training.fields import markdown_table, specs
+    from training.config.train_config import TrainConfig
+    from training.config.fields import markdown_table, specs
     from training_airflow.params import RunParams
 
     main = [n for n, s in specs(TrainConfig).items() if s.form and s.section is None]

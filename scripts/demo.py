@@ -76,7 +76,7 @@ def main() -> int:
     # The venv's own CLI: `make demo` does not put .venv/bin on PATH.
     setup["airflow db migrate"] = subprocess.Popen([str(Path(sys.executable).parent / "airflow"), "db", "migrate"],
                                                    stdout=subprocess.DEVNULL)
-    from training.tracking import get_or_create_experiment
+    from training.tracking.run import get_or_create_experiment
 
     get_or_create_experiment(conf.get("experiment", "distributed_training"))  # the store's tables, once
     dag = _load_dag("distributed_training")
@@ -96,7 +96,7 @@ def main() -> int:
 
     from mlflow.tracking import MlflowClient
 
-    from training.tracking import experiment_url, run_url, summary_of
+    from training.tracking.run import experiment_url, run_url, summary_of
     from training_airflow.links import airflow_run_url
 
     client = MlflowClient()

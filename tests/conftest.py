@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from training.launch import torchrun_command
+from training.distributed.launch import torchrun_command
 from training.util import free_port, stop_process, wait_for_port  # noqa: F401 (tests import the first and last)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def tmp_root() -> Path:
 
 @pytest.fixture(scope="session")
 def dataset(tmp_root: Path) -> Path:
-    from training.datasets import make_teacher_dataset
+    from training.data.synthetic import make_teacher_dataset
 
     root = tmp_root / "data" / "teacher"
     make_teacher_dataset(root, n_train=8_000, n_val=2_000, seed=0)
@@ -154,7 +154,7 @@ def local_checkpoint(root: Path, step: int, files: dict[str, bytes], world_size:
     ``manifest.json`` with each file's size and sha256 (what ``upload_checkpoint`` commits)."""
     import json
 
-    from training.storage import MANIFEST, file_entry, new_manifest
+    from training.checkpoint.commit import MANIFEST, file_entry, new_manifest
 
     d = root / f"step_{step:08d}"
     d.mkdir(parents=True)

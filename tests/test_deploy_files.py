@@ -197,7 +197,7 @@ def test_example_manifests_pass_the_strict_schemas(version):
 
 
 def test_example_manifests_match_the_param_defaults():
-    from training.fields import specs
+    from training.config.fields import specs
     from training_airflow.backends.kubernetes import spec as kubernetes
     from training_airflow.backends.kubernetes.params import KubernetesParams
 

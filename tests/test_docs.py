@@ -16,8 +16,8 @@ def test_committed_configuration_tables_match_the_declarations():
 
 
 def test_every_trainer_field_is_documented():
-    from training.config import TrainConfig
-    from training.fields import specs
+    from training.config.train_config import TrainConfig
+    from training.config.fields import specs
 
     doc = (ROOT / "docs" / "configuration.md").read_text()
     assert all(f"| `{name}` |" in doc for name in specs(TrainConfig))

@@ -13,15 +13,16 @@ import argparse
 import json
 import sys
 
-from training.config import MODEL_KIND, ConfigError, TrainConfig, choices
-from training.fields import help_lines, specs
+from training.config.fields import ConfigError
+from training.config.train_config import MODEL_KIND, TrainConfig, choices
+from training.config.fields import help_lines, specs
+from training.distributed.launch import EXIT_BAD_INPUT
 
-EXIT_BAD_INPUT = 2
 DATA_FIELDS = ("label_column", "feature_columns", "task", "validation_fraction", "split_seed")
 
 
 def _cmd_make_data(a: argparse.Namespace) -> int:
-    from training.datasets import make_digits_dataset, make_markov_dataset, make_teacher_dataset
+    from training.data.synthetic import make_digits_dataset, make_markov_dataset, make_teacher_dataset
 
     if a.kind == "digits":
         meta = make_digits_dataset(a.out, seed=a.seed)
@@ -37,14 +38,14 @@ def _cmd_make_data(a: argparse.Namespace) -> int:
 
 def _data_options(a: argparse.Namespace):
     """The data fields given on the command line, checked as the trainer checks them."""
-    from training.tables import DataOptions
+    from training.data.options import DataOptions
 
     cfg = TrainConfig(dataset_uri=a.dataset_uri, **{f: getattr(a, f) for f in DATA_FIELDS})
     return DataOptions.of(cfg)
 
 
 def _cmd_validate(a: argparse.Namespace) -> int:
-    from training.validation import DataValidationError, validate
+    from training.data.gate import DataValidationError, validate
 
     try:
         report = validate(a.dataset_uri, options=_data_options(a), min_rows=a.min_rows, docs_dir=a.docs_dir)
@@ -60,9 +61,9 @@ def _cmd_describe_data(a: argparse.Namespace) -> int:
     would infer it, to read, tighten and keep (with it, the gate checks both splits against it)."""
     from pathlib import Path
 
-    from training.data import Dataset
-    from training.schema import pinned_meta
-    from training.tables import META_FILE, discover
+    from training.data.dataset import Dataset
+    from training.data.schema import pinned_meta
+    from training.data.sources import META_FILE, discover
 
     layout = discover(a.dataset_uri)
     if a.out is None and a.dataset_uri.startswith("s3://"):
@@ -83,17 +84,17 @@ def _cmd_describe_data(a: argparse.Namespace) -> int:
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
-    from training.config import load_train_config
+    from training.config.train_config import load_train_config
 
     cfg = load_train_config(a.config, a.set)
     if a.check_access:
-        from training.storage import check_writable
+        from training.store import check_writable
 
         check_writable(cfg.checkpoint_dir, field="checkpoint_dir")
     if a.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    from training import distributed
+    from training.distributed import parallel
     from training.train import EXIT_PREEMPTED, Preempted, run
 
     code = 0
@@ -102,12 +103,12 @@ def _cmd_train(a: argparse.Namespace) -> int:
     except Preempted as e:
         print(f"train: preempted; checkpoint written at step {e.args[0]}; run again to resume", file=sys.stderr, flush=True)
         code = EXIT_PREEMPTED
-    distributed.release()  # the model went with the exception: the group can go now
+    parallel.release()  # the model went with the exception: the group can go now
     return code
 
 
 def _cmd_upload(a: argparse.Namespace) -> int:
-    from training.storage import upload_checkpoint
+    from training.checkpoint.commit import upload_checkpoint
 
     c = upload_checkpoint(a.checkpoint, a.store_uri, experiment=a.experiment, run_id=a.run_id)
     print(json.dumps({"uri": c.uri, "uploaded": c.uploaded, "skipped": c.skipped, "seconds": round(c.seconds, 3)}))
@@ -123,7 +124,7 @@ def _cmd_evaluate(a: argparse.Namespace) -> int:
 
 
 def _cmd_compare(a: argparse.Namespace) -> int:
-    from training.compare import CompareError, write_report
+    from training.results.compare import CompareError, write_report
 
     try:
         result = write_report(a.experiment, a.out, run_ids=a.runs, last=a.last)
@@ -135,7 +136,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    from training.bench import main
+    from training.results.bench import main
 
     return main(a)
 

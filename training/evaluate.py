@@ -27,11 +27,17 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from training import checkpoint, distributed, metrics, precision, reports, storage
-from training.data import Dataset, open_dataset
+from training.checkpoint.commit import CheckpointCorrupt, fetch_checkpoint
+from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, load_exported
+from training.distributed import precision
+from training.distributed.parallel import DistInfo, for_evaluation
+from training.metrics.formulas import target_reached
+from training.metrics.steps import RunClock
+from training.results import reports
+from training.data.dataset import Dataset, open_dataset
 from training.log import logger
-from training.models import loss_fn, split_batch, target_variance
-from training.tables import DataOptions
+from training.models.loss import loss_fn, split_batch, target_variance
+from training.data.options import DataOptions
 
 
 @torch.no_grad()
@@ -101,11 +107,11 @@ class Evaluator:
     attempt started training, as MLPerf counts time-to-train: evaluation included). The time it
     takes is not training time: it is handed to ``telemetry.not_training``."""
 
-    def __init__(self, cfg, info: distributed.DistInfo, model: torch.nn.Module, spec: dict[str, Any],
-                 dataset: Dataset, *, metrics_log, clock: metrics.RunClock | None, telemetry, phase) -> None:
+    def __init__(self, cfg, info: DistInfo, model: torch.nn.Module, spec: dict[str, Any],
+                 dataset: Dataset, *, metrics_log, clock: RunClock | None, telemetry, phase) -> None:
         self.cfg, self.info, self.spec = cfg, info, spec
         self.every = cfg.eval_every
-        self.model = distributed.for_evaluation(model)
+        self.model = for_evaluation(model)
         self.metrics_log, self.clock, self.telemetry, self.phase = metrics_log, clock, telemetry, phase
         self.on_eval: list[Callable[[int, dict[str, float]], None]] = []  # every rank, after each evaluation
         if self.every:
@@ -130,7 +136,7 @@ class Evaluator:
             return
         self.metrics_log.log_metrics(res, step=step)
         logger.info(f"eval step {step}: {summary_line(res)}")
-        if cfg.has_target and self.clock.target() is None and metrics.target_reached(
+        if cfg.has_target and self.clock.target() is None and target_reached(
                 cfg.target_metric, res[cfg.target_metric], cfg.target_value):
             hit = self.clock.reach_target(step, time.time())
             self.telemetry.mlflow.log_summary(hit)  # one-off figures: the run summary, not a series
@@ -147,14 +153,14 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
     ``options``: the run's label, features and split (DataOptions)."""
     dataset = open_dataset(dataset_uri, options, env=store_env)
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
-        local, manifest, warnings = storage.fetch_checkpoint(store_uri, experiment=experiment, run_id=run_id, dest=tmp,
+        local, manifest, warnings = fetch_checkpoint(store_uri, experiment=experiment, run_id=run_id, dest=tmp,
                                                              env=store_env)
-        if not (local / checkpoint.MODEL_FILE).is_file():
-            raise storage.CheckpointCorrupt(f"{local.name} has no {checkpoint.MODEL_FILE}: not a final checkpoint")
-        model, spec = checkpoint.load_exported(local)
+        if not (local / MODEL_FILE).is_file():
+            raise CheckpointCorrupt(f"{local.name} has no {MODEL_FILE}: not a final checkpoint")
+        model, spec = load_exported(local)
         if keep_model_in:
             Path(keep_model_in).mkdir(parents=True, exist_ok=True)
-            for name in (checkpoint.MODEL_FILE, checkpoint.MODEL_CONFIG_FILE):
+            for name in (MODEL_FILE, MODEL_CONFIG_FILE):
                 shutil.copyfile(local / name, Path(keep_model_in) / name)
     val = _validation_for(dataset, spec)
     figures = score_spec(model, spec, val)
@@ -187,7 +193,7 @@ def score_folder(model_dir: str | Path, dataset: str | Dataset, options: DataOpt
     """Score an exported model folder (``model.safetensors`` + ``model_config.json``) on the
     validation split of a dataset: how the registry compares a champion on new data."""
     ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, options)
-    model, spec = checkpoint.load_exported(model_dir)
+    model, spec = load_exported(model_dir)
     return score_spec(model, spec, _validation_for(ds, spec))
 
 

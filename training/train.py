@@ -23,9 +23,9 @@ maybe_check -> maybe_save; each component decides itself whether this step is it
     telemetry.Telemetry     steps.jsonl, log windows (MLflow, progress line), MFU, run summary
     evaluate.Evaluator      eval/* every eval_every steps, time-to-target
     resilience.ReplicaCheck replicas bit-identical every replica_check_every steps
-    checkpoint.Checkpointer every checkpoint_every steps, and the final export
+    Checkpointer every checkpoint_every steps, and the final export
 
-Parallelism is applied from outside (distributed.parallelize) and the loop never asks which
+Parallelism is applied from outside (parallel.parallelize) and the loop never asks which
 strategy runs. Output goes through one rank-aware logger (training.log); only rank 0 logs to
 MLflow. Test and drill faults are attached by training/faults.py when a TRAINING_FAULT_* variable
 is set.
@@ -47,16 +47,28 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from training import checkpoint, distributed, faults, log, metrics, precision, storage
-from training.config import ConfigError, TrainConfig
-from training.data import Dataset, ShardedSampler, open_dataset
+from training import log
+from training.checkpoint.manager import Checkpointer, TrainState
+from training.distributed import faults, parallel, precision
+from training.metrics.steps import RunClock
+from training.store import check_writable
+from training.tracking.run import OnceLogger
+from training.config.fields import ConfigError
+from training.config.train_config import TrainConfig
+from training.data.dataset import Dataset, open_dataset
+from training.data.sampler import ShardedSampler
 from training.evaluate import Evaluator
-from training.models import build_model, check_model, loss_fn, model_spec, split_batch, target_variance
-from training.resilience import EXIT_PREEMPTED, FaultReport, Phase, Preempted, Preemption, RankRecord, ReplicaCheck
-from training.startup import StartupClock
-from training.telemetry import StepLog, StepResult, Telemetry
-from training.tables import DataOptions
-from training.tracking import logger_for
+from training.models.build import build_model, check_model
+from training.models.loss import loss_fn, split_batch, target_variance
+from training.models.spec import model_spec
+from training.distributed.launch import EXIT_PREEMPTED
+from training.distributed.resilience import Phase, Preempted, Preemption, RankRecord, ReplicaCheck
+from training.metrics.recorder import FaultReport
+from training.metrics.startup import StartupClock
+from training.metrics.recorder import Telemetry
+from training.metrics.steps import StepLog, StepResult
+from training.data.options import DataOptions
+from training.tracking.relay import logger_for
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "StepLog", "Trainer", "lr_lambda", "run"]
 
@@ -105,23 +117,23 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     cfg.check_device(torch.cuda.is_available())
     if not cfg.checkpoint_dir:
         raise ConfigError("checkpoint_dir", "is empty", "pass a folder, file:///folder or s3://bucket/prefix")
-    storage.check_writable(cfg.checkpoint_dir, field="checkpoint_dir")  # a missing bucket or denied keys: exit 2
+    check_writable(cfg.checkpoint_dir, field="checkpoint_dir")  # a missing bucket or denied keys: exit 2
     dataset, spec, train = prepare(cfg)
     startup.mark("data")
 
-    info = distributed.init(cfg.collective_timeout_s)
+    info = parallel.init(cfg.collective_timeout_s)
     startup.mark("process_group")  # includes waiting for the slowest rank to arrive
     log.init(info.rank, cfg.output_dir or None)
     try:
         return Trainer(cfg, info, spec, train, dataset, startup=startup).fit()
     finally:
-        distributed.cleanup()
+        parallel.cleanup()
 
 
 class Trainer:
     """Builds the model, its optimizer and the components around the loop; ``fit`` trains."""
 
-    def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, spec: dict[str, Any], train,
+    def __init__(self, cfg: TrainConfig, info: parallel.DistInfo, spec: dict[str, Any], train,
                  dataset: Dataset, startup: StartupClock | None = None) -> None:
         self.cfg, self.info, self.spec, self.kind = cfg, info, spec, spec["kind"]
         self.task, self.target_var = spec["task"], target_variance(spec)
@@ -129,7 +141,7 @@ class Trainer:
         self.record = RankRecord(Path(cfg.output_dir) if cfg.output_dir else None, info.rank)
         self.phase = Phase(self.record, cfg.collective_timeout_s)
         _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
-        self.model, self.comm_timer = distributed.parallelize(build_model(self.spec), cfg, info)
+        self.model, self.comm_timer = parallel.parallelize(build_model(self.spec), cfg, info)
         # DDP: the fused AdamW kernel, one call per step instead of a Python loop over the
         # parameters (0.08 ms against 0.27 ms per step for the demo's MLP on one CPU core, a
         # seventh of its step). FSDP2's sharded parameters keep torch's default implementation.
@@ -139,7 +151,7 @@ class Trainer:
         self.scaler = precision.grad_scaler(cfg.precision, info.device)
         self.sampler = ShardedSampler(len(train.features), global_batch=cfg.batch_size, rank=info.rank,
                                       world_size=info.world_size, seed=cfg.seed)
-        self.state = checkpoint.TrainState(self.model, self.optimizer, self.scheduler, self.sampler, self.scaler)
+        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.sampler, self.scaler)
         self.features = torch.from_numpy(train.features)
         self.labels = torch.from_numpy(train.labels) if train.labels is not None else None
         self.micro_batch = cfg.batch_size // info.world_size // cfg.grad_accum
@@ -148,10 +160,10 @@ class Trainer:
         self.startup.mark("model")  # built, wrapped (DDP broadcasts rank 0's weights), optimizer
         self.mlflow = logger_for(info.is_main)
         self.startup.mark("mlflow")  # MLflow's import and connection (none when the launcher relays)
-        self.metrics_log = metrics.OnceLogger(self.mlflow)  # a replayed step is not logged twice
+        self.metrics_log = OnceLogger(self.mlflow)  # a replayed step is not logged twice
         out = Path(cfg.output_dir) if cfg.output_dir else None
-        clock = metrics.RunClock(out) if info.is_main else None  # survives restarts: run start, target hit
-        self.checkpointer = checkpoint.Checkpointer(
+        clock = RunClock(out) if info.is_main else None  # survives restarts: run start, target hit
+        self.checkpointer = Checkpointer(
             cfg.checkpoint_dir, world_size=info.world_size, config_hash=cfg.config_hash(), use_async=cfg.async_checkpoint,
             every=cfg.checkpoint_every, last_step=cfg.steps, keep_last=cfg.retention_keep_last, metrics=self.metrics_log,
             mlflow=self.mlflow, phase=self.phase)
@@ -239,7 +251,7 @@ class Trainer:
             yb = y_all[m * micro : (m + 1) * micro] if y_all is not None else None
             inputs, target = split_batch(self.kind, xb, yb)
             phase.now = "forward/backward" + ("" if last else " (accumulation, no communication)")
-            with distributed.gradient_sync(self.model, last):
+            with parallel.gradient_sync(self.model, last):
                 with precision.autocast(cfg.precision, cfg.strategy, info.device):
                     loss = loss_fn(self.model(inputs), target, task=self.task, target_var=self.target_var) / cfg.grad_accum
                 self.scaler.scale(loss).backward()

@@ -10,10 +10,10 @@ from typing import Any
 
 from airflow.sdk import Param
 
-from training.config import TrainConfig, choices
-from training.fields import specs
+from training.config.train_config import TrainConfig, choices
+from training.config.fields import specs
 from training_airflow import settings
-from training_airflow.context import fails_fast
+from training_airflow.failures import fails_fast
 from training_airflow.params import RunParams, param
 
 log = logging.getLogger(__name__)
@@ -56,8 +56,8 @@ def open_parent(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> dict
     import torch
     from airflow.exceptions import AirflowFailException
 
-    from training.bench import grid
-    from training.tracking import open_run
+    from training.results.bench import grid
+    from training.tracking.run import open_run
 
     points, skipped = grid(params["world_sizes"], params["strategies"], params["precisions"], params["comm_hooks"],
                            base=_base(params), cuda=torch.cuda.is_available())
@@ -73,7 +73,7 @@ def open_parent(params: dict[str, Any], *, dag_id: str, dag_run_id: str) -> dict
 def sweep(params: dict[str, Any], opened: dict[str, Any]) -> dict[str, Any]:
     """Every point as a child run; a retry skips the points already finished."""
     settings.ensure_tracking_uri()
-    from training.bench import Point, run_sweep
+    from training.results.bench import Point, run_sweep
 
     parent = opened["parent_run_id"]
     results = run_sweep(experiment=params["experiment"], parent_run_id=parent,
@@ -91,7 +91,7 @@ def report(params: dict[str, Any], swept: dict[str, Any]) -> dict[str, Any]:
     settings.ensure_tracking_uri()
     from mlflow.tracking import MlflowClient
 
-    from training.bench import report as write
+    from training.results.bench import report as write
 
     parent = swept["parent_run_id"]
     result = write(experiment=params["experiment"], parent_run_id=parent, out=settings.work_dir() / parent / "report")

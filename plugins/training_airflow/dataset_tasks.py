@@ -15,7 +15,7 @@ from airflow.sdk import Param
 from airflow.sdk.exceptions import AirflowFailException
 
 from training_airflow import settings
-from training_airflow.context import fails_fast
+from training_airflow.failures import fails_fast
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,11 @@ def register_params() -> dict[str, Param]:
 @fails_fast
 def register_dataset(params: dict[str, Any]) -> dict[str, Any]:
     """Write or take the dataset, run the data gate, return the Asset event's extra."""
-    from training.validation import validate
+    from training.data.gate import validate
 
     root = settings.resolve_path(params["dataset_uri"])
     if params["generate"]:
-        from training.datasets import make_teacher_dataset
+        from training.data.synthetic import make_teacher_dataset
 
         make_teacher_dataset(root, n_train=int(params["train_rows"]), n_val=int(params["val_rows"]),
                              label_noise=float(params["label_noise"]), seed=int(params["seed"]))

@@ -12,7 +12,7 @@ Task callbacks (``default_args`` of the training DAGs):
   ``failures/`` artifacts stay as the run's history.
 
 Cancellations get no callback in Airflow (a DAG run marked failed in the UI, a deleted DAG run),
-so ``reconcile``, called by ``validate_data`` of every new run, marks the experiment's RUNNING
+so ``reconcile``, called by ``open_run`` of every new run, marks the experiment's RUNNING
 MLflow runs of the DAG whose DAG run has failed or no longer exists KILLED.
 
 A callback never raises: a record about a failure must not hide the failure itself. The MLflow run
@@ -38,7 +38,7 @@ def _run_of(context: dict[str, Any]):
     settings.ensure_tracking_uri()
     from mlflow.tracking import MlflowClient
 
-    from training.tracking import find_runs
+    from training.tracking.run import find_runs
 
     client = MlflowClient()
     exp = client.get_experiment_by_name(context["params"]["experiment"])
@@ -91,7 +91,7 @@ def _record(context: dict[str, Any], *, final: bool) -> None:
     reason = reason_of(context.get("exception"))
     from mlflow.entities import RunTag
 
-    from training.tracking import describe
+    from training.tracking.page import describe
 
     tags = {"failure.task": ti.task_id, "failure.try": str(ti.try_number), "failure.reason": reason}
     client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
@@ -122,7 +122,7 @@ def on_retry(context: dict[str, Any]) -> None:
 
 
 def _recovered(context: dict[str, Any]) -> None:
-    from training.tracking import describe
+    from training.tracking.page import describe
 
     client, run = _run_of(context)
     if run is None or "failure.task" not in run.data.tags:
@@ -146,7 +146,8 @@ def reconcile(experiment_id: str, *, dag_id: str, current_run_id: str) -> list[s
     from mlflow.entities import RunTag
     from mlflow.tracking import MlflowClient
 
-    from training.tracking import TAG_DAG_RUN_ID, describe, find_runs
+    from training.tracking.page import describe
+    from training.tracking.run import TAG_DAG_RUN_ID, find_runs
 
     try:
         from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance

@@ -7,7 +7,7 @@
   (``airflow.dag_id``, ``airflow.dag_run_id``); a DAG run without one (refused before the run
   opened, or a DAG that records nothing in MLflow) gets no link.
 - MLflow -> Airflow: ``airflow_tags``: the tag ``airflow.url`` (the DAG run's page) and the run
-  type, set by ``validate_data``; ``RunNoteListener`` (a listener of the same plugin, in the
+  type, set by ``open_run``; ``RunNoteListener`` (a listener of the same plugin, in the
   scheduler) copies the DAG run's note into the tag ``airflow.note`` when the run ends, which
   ``training.tracking.describe`` puts into the MLflow run's description. Tasks cannot read the
   note: Airflow's execution API hands them the DAG run without it.
@@ -50,7 +50,7 @@ def _found(dag_id: str, dag_run_id: str) -> tuple[str, str]:
     settings.ensure_tracking_uri()
     from mlflow.tracking import MlflowClient
 
-    from training.tracking import TAG_DAG_ID, TAG_DAG_RUN_ID
+    from training.tracking.run import TAG_DAG_ID, TAG_DAG_RUN_ID
 
     client = MlflowClient()
     experiments = [e.experiment_id for e in client.search_experiments()]
@@ -64,7 +64,7 @@ def _found(dag_id: str, dag_run_id: str) -> tuple[str, str]:
 
 def mlflow_run_page(dag_id: str, dag_run_id: str) -> str | None:
     """The MLflow run page of a DAG run, or None when it has no MLflow run."""
-    from training.tracking import run_url
+    from training.tracking.run import run_url
 
     try:
         experiment_id, run_id = _found(dag_id, dag_run_id)
@@ -103,7 +103,8 @@ def copy_note(dag_run: Any) -> bool:
         return False
     from mlflow.tracking import MlflowClient
 
-    from training.tracking import TAG_AIRFLOW_NOTE, describe
+    from training.tracking.page import describe
+    from training.tracking.run import TAG_AIRFLOW_NOTE
 
     client = MlflowClient()
     if client.get_run(run_id).data.tags.get(TAG_AIRFLOW_NOTE) == note:

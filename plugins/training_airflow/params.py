@@ -9,7 +9,7 @@ title, help):
 - each enabled backend's fields (``backends/kubernetes/params.py``).
 
 Airflow enforces each field's JSON schema when a run is created (the form shows the reason, the
-REST API answers 400); rules between fields are checked by ``validate_data`` before anything runs.
+REST API answers 400); rules between fields are checked by ``open_run`` before anything runs.
 The tables in the README and docs/configuration.md come from the same declarations
 (``scripts/config_docs.py``; a test fails when the committed tables differ).
 """
@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 from airflow.sdk import Param
 
-from training.config import TrainConfig
-from training.fields import Spec, json_schema, knob, specs
+from training.config.train_config import TrainConfig
+from training.config.fields import Spec, json_schema, knob, specs
 from training_airflow import settings
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"

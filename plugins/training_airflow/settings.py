@@ -10,9 +10,11 @@ PROJECT_ROOT = Path(os.environ.get("TRAINING_HOME") or Path(__file__).resolve().
 VAR = Path(os.environ.get("TRAINING_VAR_DIR") or PROJECT_ROOT / "var")
 
 
-def work_dir() -> Path:
-    """Local per-run folders (config, checkpoints, output) on the worker."""
-    return Path(os.environ.get("TRAINING_WORK_DIR") or VAR / "work")
+def work_dir(run_id: str | None = None) -> Path:
+    """Local per-run folders (config, checkpoints, output) on the worker; ``run_id``: the folder of
+    one MLflow run, stable across task retries."""
+    root = Path(os.environ.get("TRAINING_WORK_DIR") or VAR / "work")
+    return root / run_id if run_id else root
 
 
 def default_dataset_uri() -> str:

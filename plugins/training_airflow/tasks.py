@@ -1,5 +1,5 @@
-"""Bodies of the backend-independent tasks of a training run: ``validate_data`` before the
-backend's task group, ``evaluate``, ``register`` and ``report`` after it.
+"""Bodies of the backend-independent tasks of a training run: ``open_run`` and ``validate_data``
+before the backend's task group, ``evaluate``, ``register`` and ``report`` after it.
 
 Each takes plain values and returns a small dict for XCom (run ids, URIs, numbers: never tensors or
 DataFrames), one concern per task so that a retry has a clear scope. Heavy libraries are imported
@@ -17,8 +17,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from training_airflow import backends, context, lifecycle, links, settings
-from training_airflow.context import Handoff, Opened, fails_fast
+from training_airflow import backends, lifecycle, links, settings
+from training_airflow.connections import store_env
+from training_airflow.failures import fails_fast
+from training_airflow.handoff import Handoff, RunOpened, Validated
+from training_airflow.mlflow_run import run_logger
+from training_airflow.run_config import data_options, train_config
 from training_airflow.params import run_tags
 
 log = logging.getLogger(__name__)
@@ -30,7 +34,7 @@ def _record_verdict(logger, report: dict[str, Any], docs_dir: str) -> None:
     layout, label, features, task and why, train's columns and classes, the schema checked), the
     one-page summary data_gate.html and GX's Data Docs under data_docs/; the data as the run's
     dataset input when it passed."""
-    from training.reports import data_gate_page
+    from training.results.reports import data_gate_page
 
     tags = {"data.validation": "passed" if report["success"] else "failed",
             "data.failed_expectations": len(report["failures"])}
@@ -76,42 +80,56 @@ def run_name(params: dict[str, Any], world_size: int) -> str:
 
 
 @fails_fast
-def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_uri: str | None = None,
-                  dag_run: Any = None) -> Opened:
-    """Check the run's Params, open (or re-open) this DAG run's MLflow run, run the data gate,
-    then check the model against the data (a factory built and run on two rows).
+def open_run(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_uri: str | None = None,
+             dag_run: Any = None) -> RunOpened:
+    """Check the run's Params (the backend's rules, the rules between fields, the store's access),
+    then open this DAG run's MLflow run, or re-open it on a retry: one MLflow run per DAG run.
 
     ``dataset_uri`` (from the asset event of a data-driven run) replaces the Param; later tasks
-    get the resolved folder through ``Opened``. ``dag_run`` (the task context's) gives the MLflow
-    run the link back to Airflow."""
+    get the resolved folder through ``RunOpened``. ``dag_run`` (the task context's) gives the MLflow
+    run the link back to Airflow. Earlier runs of this DAG that were cancelled are marked KILLED."""
     settings.ensure_tracking_uri()
-    from training.config import check_path_part
-    from training.storage import check_writable
-    from training.tables import DataOptions
-    from training.tracking import describe, open_run
-    from training.util import machine_cache_dir
-    from training.validation import DataValidationError, gate_cached
+    from training.config.train_config import check_path_part
+    from training.store import check_writable
+    from training.tracking.run import open_run as open_mlflow_run
 
     dataset = settings.resolve_path(dataset_uri or params["dataset_uri"])
     params = {**params, "dataset_uri": dataset}
     experiment = check_path_part("experiment", params["experiment"])
     world_size = backends.check_params(params)  # the backend's rules, before any rank starts
-    cfg = context.train_config(params)
-    store_env = context.store_env(params)  # a missing or unreadable aws_conn_id fails here too
-    check_writable(params["store_uri"], store_env, field="store_uri")  # so do a missing bucket and denied keys
+    train_config(params)
+    s3_env = store_env(params)  # a missing or unreadable aws_conn_id fails here too
+    check_writable(params["store_uri"], s3_env, field="store_uri")  # so do a missing bucket and denied keys
 
-    run_id = open_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=run_name(params, world_size),
-                      tags={**run_tags(params), "world_size": str(world_size)})
-    logger = context.run_logger(run_id)
+    run_id = open_mlflow_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=run_name(params, world_size),
+                             tags={**run_tags(params), "world_size": str(world_size)})
+    logger = run_logger(run_id)
     if dag_run is not None:
         logger.set_tags(links.airflow_tags(dag_run))
     log.info("MLflow run %s (experiment %s): %s", run_id, experiment, links.mlflow_run_page(dag_id, dag_run_id))
     # Earlier runs of this DAG that were cancelled (no callback tells us) are KILLED from here on.
     lifecycle.reconcile(logger.client.get_run(run_id).info.experiment_id, dag_id=dag_id, current_run_id=dag_run_id)
+    return RunOpened(mlflow_run_id=run_id, dataset_uri=dataset)
+
+
+@fails_fast
+def validate_data(params: dict[str, Any], opened: RunOpened) -> Validated:
+    """Run the data gate on every split and record its verdict in the MLflow run, then check the
+    model against the data (a factory built and run on two rows). Bad data or a model that does
+    not fit marks the MLflow run FAILED and fails the task without retries."""
+    from training.data.gate import DataValidationError, gate_cached
+    from training.data.options import DataOptions
+    from training.tracking.page import describe
+    from training.util import machine_cache_dir
+
+    run_id, dataset = opened["mlflow_run_id"], opened["dataset_uri"]
+    params = {**params, "dataset_uri": dataset}
+    cfg = train_config(params)
+    logger = run_logger(run_id)
     with tempfile.TemporaryDirectory(prefix="gx-docs-") as docs:
         try:
             report, data = gate_cached(dataset, cache_dir=machine_cache_dir() / "data_gate", options=DataOptions.of(cfg),
-                                       env=store_env, docs_dir=docs)
+                                       env=store_env(params), docs_dir=docs)
         except DataValidationError as e:
             _record_verdict(logger, e.report, docs)
             logger.finish("FAILED")
@@ -123,14 +141,14 @@ def validate_data(params: dict[str, Any], *, dag_id: str, dag_run_id: str, datas
              " (the verdict of an earlier run on the same bytes and suite)" if report.get("cached_from") else "")
     check_model(params, cfg, data)
     describe(run_id)
-    return Opened(mlflow_run_id=run_id, dataset_uri=dataset, dataset_fingerprint=report["fingerprint"])
+    return Validated(**opened, dataset_fingerprint=report["fingerprint"])
 
 
 def check_model(params: dict[str, Any], cfg: Any, data: Any) -> None:
     """Before any rank starts: the model reads this kind of data, the target and gate metrics are
     measured for its task, and the model (a factory: imported, called, run on two rows) gives
     outputs of the right shape. A ConfigError names the field (``model`` with the factory path)."""
-    from training.registry import gate_metric
+    from training.results.registry import gate_metric
     from training.train import prepare
 
     _, spec, _ = prepare(cfg, data)
@@ -156,13 +174,13 @@ def evaluate(params: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
     from training.evaluate import run, summary_line
 
     run_id = handoff["mlflow_run_id"]
-    store_env = context.store_env(params)
+    s3_env = store_env(params)
     settings.work_dir().mkdir(parents=True, exist_ok=True)
     result = run(store_uri=params["store_uri"], experiment=params["experiment"], run_id=run_id,
-                 dataset_uri=handoff["dataset_uri"], work_dir=str(settings.work_dir()), store_env=store_env,
-                 options=context.data_options(params))
+                 dataset_uri=handoff["dataset_uri"], work_dir=str(settings.work_dir()), store_env=s3_env,
+                 options=data_options(params))
     figures = {k: v for k, v in result.items() if k.startswith("eval/")}
-    logger = context.run_logger(run_id)
+    logger = run_logger(run_id)
     logger.log_metrics_once(figures, step=result["step"])
     if result.get("report"):
         _log_evaluation_report(logger, result["report"], result["step"])
@@ -171,7 +189,7 @@ def evaluate(params: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
             log.warning("checkpoint fallback: %s", w)
         logger.set_tags({"checkpoint.fallback": "; ".join(result["warnings"]),
                          "checkpoint.evaluated": result["checkpoint_step_dir"]})
-    keep_checkpoints(params, run_id, result, store_env)
+    keep_checkpoints(params, run_id, result, s3_env)
     known = ", ".join(f"{k} {result[k]:.4f}" for k in ("bayes_accuracy", "chance_accuracy", "loss_floor") if result.get(k) is not None)
     log.info("eval at step %d: %s (%s)", result["step"], summary_line(figures),
              known or "no reference values for this dataset")
@@ -183,19 +201,20 @@ def evaluate(params: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
 def _log_evaluation_report(logger, report: dict[str, Any], step: int) -> None:
     """evaluation/: report.html (a classifier's per-class precision and recall and its confusion
     matrix; a regressor's residuals), report.json and the pictures (training/reports.py)."""
-    from training.reports import evaluation_files
+    from training.results.reports import evaluation_files
 
     with tempfile.TemporaryDirectory(prefix="evaluation-") as tmp:
         evaluation_files(report, Path(tmp), step=step)
         logger.client.log_artifacts(logger.run_id, tmp, "evaluation")
 
 
-def keep_checkpoints(params: dict[str, Any], run_id: str, result: dict[str, Any], store_env: dict[str, str]) -> None:
+def keep_checkpoints(params: dict[str, Any], run_id: str, result: dict[str, Any], s3_env: dict[str, str]) -> None:
     """Record the evaluation next to the checkpoint, then prune the run's stored checkpoints to the
     last ``retention_keep_last``, the best by eval/loss and whatever `latest` names."""
-    from training.storage import StoreError, apply_retention, record_eval
+    from training.checkpoint.retention import apply_retention, record_eval
+    from training.store.base import StoreError
 
-    where = {"experiment": params["experiment"], "run_id": run_id, "env": store_env}
+    where = {"experiment": params["experiment"], "run_id": run_id, "env": s3_env}
     try:
         record_eval(params["store_uri"], step_dir=result["checkpoint_step_dir"],
                     metrics={k: v for k, v in result.items() if k.startswith("eval/")}, **where)
@@ -214,24 +233,24 @@ def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
 
     The model files are fetched from the store again and verified against the manifest (the step
     folder ``evaluate`` scored), so this task may run on another worker than ``evaluate``."""
-    from training import registry
-    from training.checkpoint import MODEL_CONFIG_FILE, MODEL_FILE
-    from training.data import open_dataset
+    from training.results import registry
+    from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE
+    from training.data.dataset import open_dataset
     from training.evaluate import example_inputs, score_folder
-    from training.storage import fetch_checkpoint
-    from training.tracking import describe
+    from training.checkpoint.commit import fetch_checkpoint
+    from training.tracking.page import describe
 
     run_id = scored["mlflow_run_id"]
     name = params.get("registered_model") or params["experiment"]
     task = scored.get("task", "classification")
     metric = registry.gate_metric(params.get("gate_metric", "auto"), task)
     figures = scored.get("eval_metrics") or {"eval/loss": scored["eval_loss"], "eval/accuracy": scored["eval_accuracy"]}
-    store_env = context.store_env(params)
-    data = open_dataset(scored["dataset_uri"], context.data_options(params), env=store_env)
+    s3_env = store_env(params)
+    data = open_dataset(scored["dataset_uri"], data_options(params), env=s3_env)
     settings.work_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=settings.work_dir(), prefix="register-") as tmp:
         model_dir, _, _ = fetch_checkpoint(params["store_uri"], experiment=params["experiment"], run_id=run_id,
-                                           dest=tmp, env=store_env,
+                                           dest=tmp, env=s3_env,
                                            step_dir=scored["evaluated_step_dir"], only=(MODEL_FILE, MODEL_CONFIG_FILE))
         gate = registry.register_and_gate(
             run_id=run_id, model_dir=model_dir, registered_model=name, metric_value=figures[metric], metric=metric,
@@ -247,11 +266,12 @@ def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
 def report(params: dict[str, Any], registered: dict[str, Any], *, dag_run_start: datetime | None) -> dict[str, Any]:
     """Record how much of the DAG's wall time was orchestration, draw the run's plots, close the
     MLflow run and write its description (what its page shows first)."""
-    from training.reports import run_plots
-    from training.tracking import describe, run_url, summary_of
+    from training.results.reports import run_plots
+    from training.tracking.page import describe
+    from training.tracking.run import run_url, summary_of
 
     run_id = registered["mlflow_run_id"]
-    logger = context.run_logger(run_id)
+    logger = run_logger(run_id)
     figures = {}
     if dag_run_start is not None:
         wall = (datetime.now(timezone.utc) - dag_run_start).total_seconds()

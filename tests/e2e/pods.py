@@ -518,10 +518,11 @@ class PodsRun:
         return {"params": self.params, "ti": ti, "run_id": self.dag_run_id, "dag": self.dag}
 
     def validate(self) -> dict:
-        """The ``validate_data`` task: the backend's checks, the MLflow run, the data gate."""
+        """The ``open_run`` and ``validate_data`` tasks: the backend's checks, the MLflow run, the data gate."""
         from training_airflow import tasks
 
-        self.opened = tasks.validate_data(self.params, dag_id="distributed_training", dag_run_id=self.dag_run_id)
+        opened = tasks.open_run(self.params, dag_id="distributed_training", dag_run_id=self.dag_run_id)
+        self.opened = tasks.validate_data(self.params, opened)
         return self.opened
 
     def _op(self, task_id: str) -> tuple[Any, dict]:

@@ -49,7 +49,7 @@ def test_a_rank_killed_in_every_try_fails_the_run_with_the_reason(airflow_db, da
 def test_a_success_after_a_failure_clears_the_record(tmp_root):
     """The callbacks as Airflow calls them (a task instance, its params, the exception), against the
     real MLflow store: a retry that succeeds puts the run back to RUNNING without the failure tags."""
-    from training.tracking import open_run
+    from training.tracking.run import open_run
     from training_airflow import lifecycle, settings
 
     settings.ensure_tracking_uri()
@@ -82,7 +82,7 @@ def test_cancelled_and_deleted_dag_runs_end_killed(tmp_root, monkeypatch):
     the Task SDK call it makes, answering as the server does: a state, or an error for a missing run)."""
     from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
-    from training.tracking import open_run
+    from training.tracking.run import open_run
     from training_airflow import lifecycle, settings
 
     settings.ensure_tracking_uri()

@@ -18,11 +18,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.e2e.conftest import EXPERIMENT, ON_DATA, REGISTER, STEPS, TRAIN
-from training.tracking import summary_of
+from training.tracking.run import summary_of
 
 pytestmark = pytest.mark.slow
 
-CORE = ("validate_data", "train", "upload_checkpoint", "evaluate", "register", "report")
+CORE = ("open_run", "validate_data", "train", "upload_checkpoint", "evaluate", "register", "report")
 
 
 def _mlflow_runs(dag_id: str, dag_run_id: str):
@@ -80,9 +80,9 @@ def test_cross_field_rule_fails_the_first_task(live_airflow, started):
     af, run_id = live_airflow, started["bad"]
     run = af.wait_for_run(ON_DATA, run_id, timeout=600)
     states = af.task_states(ON_DATA, run_id)
-    assert run["state"] == "failed" and states["validate_data"] == "failed", states
+    assert run["state"] == "failed" and states["open_run"] == "failed", states
     assert all(states[t] == "upstream_failed" for t in CORE[1:]), states
-    log = af.task_log(ON_DATA, run_id, "validate_data")
+    log = af.task_log(ON_DATA, run_id, "open_run")
     assert "AirflowFailException: invalid run parameters: config field 'batch_size': 33 is not divisible by" in log
     assert "world_size=2" in log, log[-2000:]
     assert _mlflow_runs(ON_DATA, run_id) == [], "refused before an MLflow run was opened"

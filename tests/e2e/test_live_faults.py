@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from training.launch import torchrun_command
-from training.storage import read_pointer, run_location
+from training.distributed.launch import torchrun_command
+from training.checkpoint.commit import read_pointer, run_location
 from training.util import free_port
 
 pytestmark = pytest.mark.slow

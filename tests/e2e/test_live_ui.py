@@ -31,7 +31,7 @@ from mlflow.tracking import MlflowClient
 from tests.e2e.browser import Browser, chromium_path
 from tests.e2e.conftest import EXPERIMENT, ON_DATA, RUN_NOTE, TRAIN
 from tests.e2e.live_airflow import PASSWORD
-from training.tracking import experiment_url, run_url
+from training.tracking.run import experiment_url, run_url
 
 pytestmark = pytest.mark.slow
 DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
@@ -115,7 +115,7 @@ def test_trigger_form_in_the_browser(live_airflow, browser, tmp_path):
 
 # ------------------------------------------------------------------------------ Airflow <-> MLflow
 
-CORE = ("validate_data", "train", "upload_checkpoint", "evaluate", "register", "report")
+CORE = ("open_run", "validate_data", "train", "upload_checkpoint", "evaluate", "register", "report")
 TASK_LINK = "[...document.querySelectorAll('a')].find(a => a.innerText.trim() === 'MLflow run')"
 
 

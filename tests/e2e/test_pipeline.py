@@ -40,7 +40,7 @@ def test_full_pipeline_on_s3(airflow_db, dataset, s3_server, tmp_path, tmp_root)
     dag_run = load_dag("distributed_training").test(run_conf=conf)
 
     # The default deployment offers the local backend only: its task group and nothing else.
-    assert _ti_states(dag_run) == {t: "success" for t in ("validate_data", "train", "upload_checkpoint", "evaluate",
+    assert _ti_states(dag_run) == {t: "success" for t in ("open_run", "validate_data", "train", "upload_checkpoint", "evaluate",
                                                           "register", "report")}
     client, run = _mlflow_run(dag_run, "e2e")
     assert run.info.status == "FINISHED"
@@ -91,8 +91,9 @@ def test_a_missing_bucket_stops_the_run_before_training(airflow_db, dataset, s3_
     dag_run = load_dag("distributed_training").test(
         run_conf={"dataset_uri": str(dataset), "experiment": "e2e-nobucket", "steps": 5, "store_uri": "s3://nope/team"})
     states = _ti_states(dag_run)
-    assert states["validate_data"] == "failed" and states["train"] == "upstream_failed", states
-    ti = next(t for t in dag_run.get_task_instances() if t.task_id == "validate_data")
+    assert states["open_run"] == "failed" and states["validate_data"] == "upstream_failed", states
+    assert states["train"] == "upstream_failed", states
+    ti = next(t for t in dag_run.get_task_instances() if t.task_id == "open_run")
     assert ti.try_number == 1, "bad input fails without retries"
 
 

@@ -20,7 +20,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.e2e.pods import PlayedJob, PodsRun, pod_address
-from training.tracking import summary_of
+from training.tracking.run import summary_of
 
 # What the local backend logs for the same run (docs/architecture.md, "Metrics (one schema)").
 SCHEMA = {"train/loss", "train/lr", "train/grad_norm", "perf/samples_per_s", "perf/step_s", "perf/data_wait_s",

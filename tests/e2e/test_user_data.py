@@ -81,8 +81,8 @@ def _artifact(client, run, name: str, tmp_path: Path):
 def _registered_predicts_as_the_checkpoint(name: str, store_uri: str, experiment: str, run_id: str, features,
                                            tmp_path: Path, env=None) -> np.ndarray:
     """The registered model (pyfunc, no pickle) and the checkpoint's model predict the same."""
-    from training.checkpoint import load_exported
-    from training.storage import fetch_checkpoint
+    from training.checkpoint.export import load_exported
+    from training.checkpoint.commit import fetch_checkpoint
 
     loaded = mlflow.pyfunc.load_model(f"models:/{name}@champion")
     predicted = np.asarray(loaded.predict(features))
@@ -170,8 +170,8 @@ def test_diabetes_one_table_on_s3_with_a_user_model(airflow_db, user_code, s3_se
     assert "eval/accuracy" not in metrics and metrics["eval/rmse"] > 0
 
     # The same rows as the pipeline's validation split, and a linear model on them.
-    from training.data import open_dataset
-    from training.tables import DataOptions
+    from training.data.dataset import open_dataset
+    from training.data.options import DataOptions
 
     ds = open_dataset(local, DataOptions(label_column="target"))
     assert ds.fingerprint == tags["data.fingerprint"], "the fingerprint covers the bytes read from the bucket"

@@ -10,7 +10,7 @@ import shutil
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import run_torchrun
-from training.storage import EVAL_FILE, upload_checkpoint
+from training.checkpoint.commit import EVAL_FILE, upload_checkpoint
 
 
 def test_evaluate_task_falls_back_and_says_so(dataset, tmp_path, capfd, caplog):
@@ -24,7 +24,7 @@ def test_evaluate_task_falls_back_and_says_so(dataset, tmp_path, capfd, caplog):
     manifest = json.loads((step10 / "manifest.json").read_text())
     (step10 / "manifest.json").write_text(json.dumps({**manifest, "step": 10}))
 
-    from training.tracking import open_run
+    from training.tracking.run import open_run
     from training_airflow import settings, tasks
 
     settings.ensure_tracking_uri()

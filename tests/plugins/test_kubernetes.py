@@ -31,7 +31,7 @@ from airflow.providers.cncf.kubernetes.operators.resource import (
 )
 from airflow.sdk import TriggerRule
 from tests.conftest import local_checkpoint
-from training.fields import ConfigError
+from training.config.fields import ConfigError
 from training_airflow.backends.kubernetes import checks
 from training_airflow.backends.kubernetes import operators as ops
 from training_airflow.backends.kubernetes import spec as K
@@ -97,7 +97,7 @@ def torchrun_args(container: dict):
     """Parse the container's arguments with torchrun's own parser, as the pod will."""
     from torch.distributed.run import get_args_parser
 
-    assert container["command"] == ["python", "-m", "training.elastic"]  # torchrun's agent, parsing torchrun's arguments
+    assert container["command"] == ["python", "-m", "training.distributed.elastic"]  # torchrun's agent, parsing torchrun's arguments
     return get_args_parser().parse_args(container["args"])
 
 
@@ -525,7 +525,7 @@ def test_committed_handoff_reads_the_commit_back_from_s3(s3_server, tmp_path):
     server on 127.0.0.1), written by the same upload code the pod runs."""
     import boto3
 
-    from training.storage import upload_checkpoint
+    from training.checkpoint.commit import upload_checkpoint
 
     boto3.client("s3", endpoint_url=s3_server["endpoint"]).create_bucket(Bucket="checkpoints")
     params = k8s_params(steps=120)
@@ -547,7 +547,7 @@ def test_committed_handoff_reads_the_store_through_the_runs_aws_connection(s3_se
     import boto3
 
     from tests.conftest import free_port
-    from training.storage import upload_checkpoint
+    from training.checkpoint.commit import upload_checkpoint
 
     s3 = boto3.client("s3", endpoint_url=s3_server["endpoint"])
     s3.create_bucket(Bucket="conn-bucket")
@@ -674,11 +674,12 @@ def test_each_backend_is_a_task_group_and_a_branch_picks_one(dag):
     local = ["train", "upload_checkpoint"]
     k8s = ["create_rendezvous_service", "train_on_kubernetes", "upload_on_kubernetes", "delete_rendezvous_service",
            "confirm_commit"]
-    assert set(t) == {"validate_data", "choose_backend", *local, *k8s, "trained", "evaluate", "register", "report"}
+    assert set(t) == {"open_run", "validate_data", "choose_backend", *local, *k8s, "trained", "evaluate", "register", "report"}
     assert {t[x].task_group.group_id for x in local} == {"local"}
     assert {t[x].task_group.group_id for x in k8s} == {"kubernetes"}
     assert t["choose_backend"].downstream_task_ids == {"train", "create_rendezvous_service"}
     assert "validate_data" in t["choose_backend"].upstream_task_ids
+    assert t["validate_data"].upstream_task_ids == {"open_run"}
     assert t["train_on_kubernetes"].upstream_task_ids >= {"create_rendezvous_service", "validate_data"}
     assert t["upload_on_kubernetes"].upstream_task_ids >= {"train_on_kubernetes"}
     # The Service is the Job's setup/teardown: deleted whatever happened once it was created.
@@ -698,6 +699,6 @@ def test_a_local_only_deployment_has_no_kubernetes_tasks_or_fields(monkeypatch):
 
     monkeypatch.setenv("TRAINING_BACKENDS", "local")
     dag = load_dag("distributed_training")
-    assert set(dag.task_dict) == {"validate_data", "train", "upload_checkpoint", "evaluate", "register", "report"}
+    assert set(dag.task_dict) == {"open_run", "validate_data", "train", "upload_checkpoint", "evaluate", "register", "report"}
     assert not [p for p in dag.params if p.startswith("k8s_")]
     assert dag.params.get_param("backend").schema["enum"] == ["local"]

@@ -4,10 +4,10 @@ time-to-train target, with the cross-field rules the form cannot express refused
 from __future__ import annotations
 
 import pytest
-from training.fields import ConfigError
+from training.config.fields import ConfigError
 
 from training_airflow.params import training_params
-from training_airflow.context import train_config
+from training_airflow.run_config import train_config
 
 
 def _form(**changes):

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from training.config import ConfigError, TrainConfig, check_path_part, load_train_config
+from training.config.fields import ConfigError
+from training.config.train_config import TrainConfig, check_path_part, load_train_config
 
 
 def test_defaults_are_valid():

@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
-from training.data import ShardedSampler, load_split
-from training.datasets import make_teacher_dataset, read_meta, teacher_labels
+from training.data.dataset import load_split
+from training.data.sampler import ShardedSampler
+from training.data.synthetic import make_teacher_dataset, read_meta, teacher_labels
 
 
 def _positions(n, batch, world, steps, seed=7, start_pos=0):

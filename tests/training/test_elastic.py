@@ -1,4 +1,4 @@
-"""The pods' launcher (training/elastic.py), for real: torchrun's agent with the c10d rendezvous
+"""The pods' launcher (training/distributed/elastic.py), for real: torchrun's agent with the c10d rendezvous
 on 127.0.0.1 and gloo ranks, signalled as the kubelet signals a pod's main process. What it must
 carry to the container's exit status: a preempted rank's 75 (torchrun alone exits 1), a rank's 2,
 143 for a SIGTERM nothing could checkpoint, and a rendezvous failure named in one line."""
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from training import elastic
-from training.launch import torchrun_command
+from training.distributed import elastic
+from training.distributed.launch import torchrun_command
 from training.train import EXIT_PREEMPTED, StepLog
 
 
@@ -53,7 +53,7 @@ def _launch(sets: dict, *, nnodes: str = "1:1", nproc: int = 2, rdzv_conf: str =
                            rdzv_id="elastic-test", python=None, options=[*options, "--shutdown-timeout", "30"])
     full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
     full_env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.Popen([sys.executable, "-m", "training.elastic", *cmd[1:]], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "training.distributed.elastic", *cmd[1:]], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=full_env, **kw)
 
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from training.config import TrainConfig, load_train_config
-from training.fields import ConfigError, format_value, json_schema, parse_value, set_args, specs
+from training.config.train_config import TrainConfig, load_train_config
+from training.config.fields import ConfigError, format_value, json_schema, parse_value, set_args, specs
 
 
 def _other_value(spec):

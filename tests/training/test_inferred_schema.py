@@ -18,11 +18,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from training.data import open_dataset
-from training.fields import ConfigError
-from training.schema import MAX_CLASSES
-from training.tables import DataOptions
-from training.validation import DataValidationError, validate
+from training.data.dataset import open_dataset
+from training.config.fields import ConfigError
+from training.data.schema import MAX_CLASSES
+from training.data.options import DataOptions
+from training.data.gate import DataValidationError, validate
 
 WINE = DataOptions(label_column="target")
 

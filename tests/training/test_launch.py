@@ -5,7 +5,7 @@ import sys
 import pytest
 from torch.distributed.run import get_args_parser
 
-from training.launch import torchrun_command
+from training.distributed.launch import torchrun_command
 
 
 def _parsed(cmd: list[str]):

@@ -28,9 +28,11 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from tests.conftest import run_torchrun
-from training.config import ConfigError, TrainConfig
-from training.metrics import _table_peak, lineage_summary, peak_flops
-from training.tracking import get_or_create_experiment, read_summary
+from training.config.fields import ConfigError
+from training.config.train_config import TrainConfig
+from training.metrics.formulas import lineage_summary
+from training.metrics.peak import _table_peak, peak_flops
+from training.tracking.run import get_or_create_experiment, read_summary
 
 PROGRESS = re.compile(r"^step (\d+)/\d+ \| loss [0-9.]+ \| (\d+) samples/s")
 BATCH = 64
@@ -255,8 +257,8 @@ def test_each_step_logged_once_across_a_group_restart_and_a_task_retry(dataset, 
     assert not _history(run_id, "time_to_target_s") and not _history(run_id, "goodput")
 
     # Evaluation in the trainer agrees with an independent scoring of the final weights.
-    from training.checkpoint import load_exported
-    from training.data import load_split
+    from training.checkpoint.export import load_exported
+    from training.data.dataset import load_split
     from training.evaluate import score
 
     model, _ = load_exported(tmp_path / "ck" / "step_00000040")
@@ -296,7 +298,7 @@ def test_lineage_summary_counts_replayed_steps_and_downtime_as_lost():
 def test_a_measured_peak_is_kept_per_machine_threads_and_precision(tmp_path, monkeypatch):
     """A second run on the same machine, precision and thread count reuses the measured peak (its
     own run folder keeps it too, for restarts); another thread count or precision measures anew."""
-    import training.metrics as m
+    import training.metrics.peak as m
 
     measured = []
     monkeypatch.setenv("TRAINING_CACHE_DIR", str(tmp_path / "machine"))
@@ -354,8 +356,8 @@ def test_target_needs_evaluation_and_a_known_metric():
 def test_eta_is_smoothed_over_log_intervals():
     """The ETA of the progress line and tag: one slow interval (a checkpoint, an evaluation) moves it
     by a fraction of its excess; the warm-up interval only seeds it until the first steady one."""
-    from training.telemetry import EtaSmoother
-    from training.tracking import progress_text
+    from training.metrics.steps import EtaSmoother
+    from training.tracking.run import progress_text
 
     eta = EtaSmoother()
     assert eta.update(10, 5.0, first=True) == pytest.approx(0.5)  # warm-up: 10x slower than steady
@@ -371,7 +373,7 @@ def test_step_records_are_read_as_a_stream_and_the_last_from_the_end(tmp_path):
     """A long run writes millions of step records: the summary reads them once as a stream, and
     the last record (a restart's fault accounting, a drill's progress) comes from the file's end,
     skipping a line a crash cut short."""
-    from training.telemetry import StepLog
+    from training.metrics.steps import StepLog
 
     n = 20_000
     with open(tmp_path / StepLog.NAME, "w") as f:

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from tests.conftest import run_torchrun
-from training.checkpoint import load_exported
-from training.data import load_split
-from training.datasets import make_digits_dataset, make_markov_dataset, markov_chain
+from training.checkpoint.export import load_exported
+from training.data.dataset import load_split
+from training.data.synthetic import make_digits_dataset, make_markov_dataset, markov_chain
 from training.evaluate import score
 
 

@@ -13,13 +13,14 @@ import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 from safetensors.torch import save_file
 
-from training import registry
-from training.data import load_split
-from training.datasets import make_teacher_dataset, read_meta
+from training.results import registry
+from training.data.dataset import load_split
+from training.data.synthetic import make_teacher_dataset, read_meta
 from training.evaluate import example_inputs, score_folder
-from training.models import build_model, model_spec
-from training.tracking import RunLogger, open_run
-from training.validation import fingerprint
+from training.models.build import build_model
+from training.models.spec import model_spec
+from training.tracking.run import RunLogger, open_run
+from training.data.gate import fingerprint
 
 
 def _export(folder, dataset, *, seed: int, train_steps: int):
@@ -63,7 +64,7 @@ def test_decide_applies_the_margin():
 
 
 def test_the_gate_compares_on_the_tasks_metric_in_its_direction():
-    from training.fields import ConfigError
+    from training.config.fields import ConfigError
 
     assert registry.gate_metric("auto", "classification") == "eval/accuracy"
     assert registry.gate_metric("auto", "regression") == "eval/r2"

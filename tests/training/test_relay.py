@@ -12,12 +12,13 @@ import sys
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import ROOT
-from training.tracking import RELAY_ENV, RelayReceiver, RunLogger
+from training.tracking.relay import RELAY_ENV, RelayReceiver
+from training.tracking.run import RunLogger
 
 RANK0 = """
 import sys
-from training.metrics import OnceLogger
-from training.tracking import logger_for
+from training.tracking.run import OnceLogger
+from training.tracking.relay import logger_for
 
 mlflow = logger_for(True)
 print(type(mlflow).__name__)
@@ -72,6 +73,6 @@ def test_relayed_calls_reach_the_run_as_direct_logging_would(tmp_path):
 def test_without_the_relay_rank0_logs_directly():
     env = {**os.environ, "MLFLOW_RUN_ID": "anything", "PYTHONPATH": str(ROOT)}
     env.pop(RELAY_ENV, None)
-    code = "from training.tracking import logger_for; print(type(logger_for(True)).__name__, type(logger_for(False)).__name__)"
+    code = "from training.tracking.relay import logger_for; print(type(logger_for(True)).__name__, type(logger_for(False)).__name__)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.stdout.split() == ["RunLogger", "NullLogger"], out.stderr[-2000:]

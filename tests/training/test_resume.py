@@ -28,7 +28,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from tests.conftest import run_torchrun
-from training.data import open_dataset
+from training.data.dataset import open_dataset
 from training.train import StepLog
 
 STEPS, EVERY = 30, 10
@@ -219,7 +219,7 @@ def test_a_hung_rank_times_out_and_the_error_names_rank_and_operation(dataset, t
             "collective_timeout_s=5s (another rank stopped responding") in out, out[-4000:]
     # What the launcher reads afterwards: both ranks completed step 3; rank 0 recorded where it
     # failed, the hung rank recorded nothing (it was killed in its hang).
-    from training.resilience import RankRecord
+    from training.distributed.resilience import RankRecord
 
     ranks = RankRecord.read(tmp_path / "out")
     assert [(r["rank"], r["last_step"]) for r in ranks] == [(0, 3), (1, 3)]
@@ -288,8 +288,8 @@ def test_a_retry_on_a_worker_with_an_empty_disk_resumes_from_the_store(dataset, 
     """The local backend's `train` task body, twice: the first try loses a rank after step 25 (no
     torchrun restarts), then the worker's whole work folder is deleted, as a new machine would
     have it; the retry resumes from the store at step 20, the last committed step, not from 0."""
-    from training.tracking import open_run
-    from training_airflow import context
+    from training.tracking.run import open_run
+    from training_airflow import settings
     from training_airflow.backends import local
 
     s3 = _s3(s3_server)
@@ -304,8 +304,8 @@ def test_a_retry_on_a_worker_with_an_empty_disk_resumes_from_the_store(dataset, 
     with pytest.raises(local.TrainingFailed):
         local.run_torchrun(params, opened)
     assert _latest(s3, prefix)["step_dir"] == "step_00000020"
-    assert context.work_dir(run_id).exists()
-    shutil.rmtree(context.work_dir(run_id))  # a new machine: no work folder, no steps.jsonl, nothing
+    assert settings.work_dir(run_id).exists()
+    shutil.rmtree(settings.work_dir(run_id))  # a new machine: no work folder, no steps.jsonl, nothing
 
     monkeypatch.delenv("TRAINING_FAULT_KILL_AT_STEP")
     caplog.set_level("INFO", logger="training_airflow.backends.local")
@@ -326,8 +326,8 @@ def test_a_retry_on_a_worker_with_an_empty_disk_resumes_from_the_store(dataset, 
 def test_checkpoint_location_local_keeps_them_on_the_worker_and_uploads_the_final_one(dataset, tmp_path):
     """The other choice of the Param: periodic checkpoints in the work folder (with their
     manifests), and `upload_checkpoint` commits the final one to the store after training."""
-    from training.tracking import open_run
-    from training_airflow import context
+    from training.tracking.run import open_run
+    from training_airflow import settings
     from training_airflow.backends import local
 
     store = tmp_path / "store"
@@ -337,7 +337,7 @@ def test_checkpoint_location_local_keeps_them_on_the_worker_and_uploads_the_fina
               "batch_size": 32, "log_every": 5, "eval_every": 0, "dataset_uri": str(dataset)}
     opened = {"mlflow_run_id": run_id, "dataset_uri": str(dataset), "dataset_fingerprint": open_dataset(dataset).fingerprint}
     trained = local.run_torchrun(params, opened)
-    worker = context.work_dir(run_id) / "checkpoints"
+    worker = settings.work_dir(run_id) / "checkpoints"
     assert trained["checkpoint_uri"] == (worker / "step_00000020").resolve().as_uri()
     assert all((worker / d / "manifest.json").is_file() for d in ("step_00000010", "step_00000020"))
     handoff = local.commit(params, trained)
@@ -353,8 +353,9 @@ def test_corrupt_shard_and_missing_manifest_fall_back_to_the_newest_that_verifie
     """Checkpoints every 5 steps; a first attempt dies after step 27 (25 committed). Then a shard
     of step 25 is altered and step 20 loses its manifest: the next attempt resumes from 15, says
     why in its log and MLflow run, and ends exactly where a resume from step 15 by hand ends."""
-    from training.storage import Location, candidates, commit, open_store, verified_file
-    from training.tracking import open_run
+    from training.checkpoint.commit import Location, candidates, commit, verified_file
+    from training.store import open_store
+    from training.tracking.run import open_run
 
     s3 = _s3(s3_server)
     sets = _store_sets(dataset, tmp_path, "fb", checkpoint_every=5, retention_keep_last=0, eval_every=5)
@@ -457,7 +458,7 @@ def test_store_dies_during_a_periodic_save_fails_the_run_and_keeps_what_was_comm
     the retry path resumes from the last commit; see docs/architecture.md). `latest` stays on step
     10, which still verifies; step 20 has no manifest; a retry once the store is back resumes from
     10 and ends bit-identical to an uninterrupted run."""
-    from training.storage import fetch_checkpoint
+    from training.checkpoint.commit import fetch_checkpoint
 
     s3 = _s3(s3_server)
     moto_port = int(s3_server["endpoint"].rsplit(":", 1)[1])

@@ -6,8 +6,11 @@ import boto3
 import pytest
 
 from tests.conftest import local_checkpoint
-from training.config import ConfigError
-from training.storage import MANIFEST, StoreError, fetch_checkpoint, open_store, sha256_file, upload_checkpoint
+from training.config.fields import ConfigError
+from training.checkpoint.commit import MANIFEST, fetch_checkpoint, upload_checkpoint
+from training.store import open_store
+from training.store.base import StoreError
+from training.util import sha256_file
 
 
 def _fake_checkpoint(root, step, payload=b"weights"):

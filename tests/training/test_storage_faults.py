@@ -22,17 +22,11 @@ import boto3
 import pytest
 
 from tests.conftest import free_port, local_checkpoint, wait_for_port
-from training.config import ConfigError
-from training.storage import (
-    LATEST,
-    MANIFEST,
-    StoreError,
-    apply_retention,
-    fetch_checkpoint,
-    open_store,
-    record_eval,
-    upload_checkpoint,
-)
+from training.config.fields import ConfigError
+from training.checkpoint.commit import LATEST, MANIFEST, fetch_checkpoint, upload_checkpoint
+from training.checkpoint.retention import apply_retention, record_eval
+from training.store import open_store
+from training.store.base import StoreError
 
 STORE = "s3://ckpt/team"
 PREFIX = "team/e/r"

@@ -13,9 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from training.data import open_dataset
-from training.fields import ConfigError
-from training.tables import DataOptions, cache_dir, discover, validation_rows
+from training.data.dataset import open_dataset
+from training.config.fields import ConfigError
+from training.data.options import DataOptions
+from training.data.sources import cache_dir, discover
+from training.data.split import validation_rows
 
 
 def _table(n: int, seed: int = 0, start: int = 0) -> pa.Table:

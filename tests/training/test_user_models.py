@@ -17,11 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.checkpoint import load_exported
-from training.config import TrainConfig
-from training.data import open_dataset
-from training.fields import ConfigError
-from training.models import shard_units
+from training.checkpoint.export import load_exported
+from training.config.train_config import TrainConfig
+from training.data.dataset import open_dataset
+from training.config.fields import ConfigError
+from training.models.build import shard_units
 from training.train import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,6 +181,6 @@ def test_a_trained_factory_model_is_rebuilt_from_its_config(user_code, tables, t
 
 
 def _options():
-    from training.tables import DataOptions
+    from training.data.options import DataOptions
 
     return DataOptions(label_column="y")

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from training.datasets import make_teacher_dataset
-from training.validation import DataValidationError, schema_from_meta, validate
+from training.data.synthetic import make_teacher_dataset
+from training.data.gate import DataValidationError, schema_from_meta, validate
 
 
 @pytest.fixture(scope="module")
@@ -262,9 +262,9 @@ def test_a_passed_verdict_is_reused_until_the_data_schema_or_suite_changes(clean
     """gate_cached: the second gate on the same bytes returns the first verdict (and its Data
     Docs) without running GX; new data, a changed dataset.json, other data options or another
     min_rows run it again; a failed verdict is never kept."""
-    import training.validation as v
-    from training.tables import DataOptions
-    from training.validation import gate_cached
+    import training.data.gate as v
+    from training.data.options import DataOptions
+    from training.data.gate import gate_cached
 
     runs = []
     real_gate = v.gate

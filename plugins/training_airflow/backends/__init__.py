@@ -1,8 +1,8 @@
 """Backends: where the ranks run. Each is a module with the same contract:
 
-- ``train_and_commit(opened: XComArg[Opened]) -> XComArg[Handoff]``: a TaskGroup that trains and
+- ``train_and_commit(validated: XComArg[Validated]) -> XComArg[Handoff]``: a TaskGroup that trains and
   commits the final checkpoint to the store, handing on the same keys whatever the backend
-  (``context.Handoff``);
+  (``handoff.Handoff``);
 - ``check_params(params) -> int``: the backend's own rules, checked by ``validate_data`` before
   anything runs; returns the largest world size the run may have;
 - ``PARAMS``: the dataclass of its fields in the trigger form, or None.
@@ -46,24 +46,24 @@ def check_params(params: dict[str, Any]) -> int:
     return module(params.get("backend", "local")).check_params(params)
 
 
-def train_and_commit(opened: Any) -> Any:
-    """The enabled backends' task groups, wired after ``opened``; returns the XComArg of the Handoff."""
+def train_and_commit(validated: Any) -> Any:
+    """The enabled backends' task groups, wired after ``validated``; returns the XComArg of the Handoff."""
     names = settings.enabled_backends()
     if len(names) == 1:
-        return module(names[0]).train_and_commit(opened)
+        return module(names[0]).train_and_commit(validated)
 
     @task.branch
-    def choose_backend(opened: dict, params=None) -> str:
+    def choose_backend(validated: dict, params=None) -> str:
         return params["backend"]  # the group id: the branch follows into that group
 
     # The groups' results are pulled by task id: only the chosen group ran, the others were skipped.
-    ends = {name: module(name).train_and_commit(opened) for name in names}
+    ends = {name: module(name).train_and_commit(validated) for name in names}
 
     @task(trigger_rule=TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS)
     def trained(params=None, ti=None) -> dict:
         return ti.xcom_pull(task_ids=ends[params["backend"]].operator.task_id)
 
-    choose = choose_backend(opened)
+    choose = choose_backend(validated)
     done = trained()
     for end in ends.values():
         choose >> end.operator.task_group

@@ -35,8 +35,12 @@ from urllib.parse import urlparse
 
 from airflow.sdk import TaskGroup, task
 
-from training_airflow import context, settings
-from training_airflow.context import Handoff, Opened, fails_fast
+from training_airflow import settings
+from training_airflow.connections import store_env
+from training_airflow.failures import fails_fast
+from training_airflow.handoff import Handoff, Validated
+from training_airflow.mlflow_run import run_logger
+from training_airflow.run_config import train_config
 
 log = logging.getLogger(__name__)
 PARAMS = None  # no fields of its own: world_size and max_restarts are the run's
@@ -59,7 +63,7 @@ class LaunchResult:
 
 def check_params(params: dict[str, Any]) -> int:
     """The trainer's rules for this run (cross-field, world size, dataset kind)."""
-    context.train_config(params)
+    train_config(params)
     return int(params["world_size"])
 
 
@@ -97,7 +101,7 @@ def run_streaming(cmd: list[str], *, env: dict[str, str], cwd: str | Path, tail_
     relay = None
     try:
         if relay_run_id is not None:
-            from training.tracking import RelayReceiver
+            from training.tracking.relay import RelayReceiver
 
             relay = RelayReceiver(relay_run_id)
         assert proc.stdout is not None
@@ -178,7 +182,7 @@ def record_ranks(run_id: str, output_dir: Path) -> dict[str, str]:
     when it failed, as tags and ``failures/ranks.json`` in the MLflow run. A rank with a heartbeat
     and no failure record raised nothing: it was killed or it hung; its peers' records name the
     collective they were waiting in."""
-    from training.resilience import RankRecord
+    from training.distributed.resilience import RankRecord
 
     ranks = RankRecord.read(output_dir)
     if not ranks:
@@ -190,7 +194,7 @@ def record_ranks(run_id: str, output_dir: Path) -> dict[str, str]:
             "failure.collective": ", ".join(phases) or "none recorded"}
     if silent:
         tags["failure.rank"] += " (raised nothing: killed or hung)"
-    logger = context.run_logger(run_id)
+    logger = run_logger(run_id)
     logger.set_tags(tags)
     logger.log_text(json.dumps(ranks, indent=2), "failures/ranks.json")
     log.error("ranks at the failure: %s", "; ".join(f"{k}={v}" for k, v in tags.items()))
@@ -198,17 +202,17 @@ def record_ranks(run_id: str, output_dir: Path) -> dict[str, str]:
 
 
 @fails_fast
-def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
+def run_torchrun(params: dict[str, Any], validated: Validated) -> dict[str, Any]:
     """Start torchrun with ``world_size`` ranks; a retry resumes from the newest checkpoint that verifies."""
-    from training.launch import torchrun_command
-    from training.tracking import RELAY_ENV
+    from training.distributed.launch import torchrun_command
+    from training.tracking.relay import RELAY_ENV
     from training.util import free_port
 
     settings.ensure_tracking_uri()
-    run_id = opened["mlflow_run_id"]
-    run_dir = context.work_dir(run_id)
-    cfg = context.train_config(params, dataset_uri=opened["dataset_uri"], checkpoint_dir=checkpoint_dir(params, run_id),
-                               output_dir=str(run_dir / "output"), dataset_fingerprint=opened["dataset_fingerprint"])
+    run_id = validated["mlflow_run_id"]
+    run_dir = settings.work_dir(run_id)
+    cfg = train_config(params, dataset_uri=validated["dataset_uri"], checkpoint_dir=checkpoint_dir(params, run_id),
+                               output_dir=str(run_dir / "output"), dataset_fingerprint=validated["dataset_fingerprint"])
     cfg.check_device(cuda_available())  # the ranks run on this machine: refuse what it cannot do
     config_path = run_dir / "train_config.json"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -220,7 +224,7 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
     # S3 settings of aws_conn_id (if any) travel as environment of the ranks, never as arguments:
     # the ranks read an s3:// dataset with them too. Rank 0's MLflow calls come back through
     # stdout and are applied by this process's client.
-    env = rank_env(nproc, {**context.store_env(params), "MLFLOW_RUN_ID": run_id,
+    env = rank_env(nproc, {**store_env(params), "MLFLOW_RUN_ID": run_id,
                            "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"], RELAY_ENV: "stdout"})
     result = run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT, relay_run_id=run_id)
     if result.returncode != 0:
@@ -228,40 +232,41 @@ def run_torchrun(params: dict[str, Any], opened: Opened) -> dict[str, Any]:
         raise explain_failure(result)
 
     summary = json.loads((run_dir / "output" / "train_summary.json").read_text())
-    context.run_logger(run_id).log_summary({"torchrun_wall_s": result.wall_s})
-    return {**opened, "checkpoint_uri": summary["checkpoint_uri"], "final_step": summary["final_step"],
+    run_logger(run_id).log_summary({"torchrun_wall_s": result.wall_s})
+    return {**validated, "checkpoint_uri": summary["checkpoint_uri"], "final_step": summary["final_step"],
             "torchrun_wall_s": result.wall_s}
 
 
 def checkpoint_dir(params: dict[str, Any], run_id: str) -> str:
     """Where the ranks write checkpoints: the run's place in the store, or the worker's work folder."""
-    from training.storage import run_uri
+    from training.checkpoint.commit import run_uri
 
     if params.get("checkpoint_location", "store") == "store":  # a Param an older deployment lacks: the default
         return run_uri(params["store_uri"], params["experiment"], run_id)
-    return str(context.work_dir(run_id) / "checkpoints")
+    return str(settings.work_dir(run_id) / "checkpoints")
 
 
 @fails_fast
 def commit(params: dict[str, Any], trained: dict[str, Any]) -> Handoff:
     """The committed final checkpoint: read back from the store when the ranks committed it, else
     committed now (objects, then manifest.json, then `latest`)."""
-    from training.storage import StoreError, read_commit, run_location, upload_checkpoint
+    from training.checkpoint.commit import read_commit, run_location, upload_checkpoint
+    from training.store.base import StoreError
 
     run_id, step = trained["mlflow_run_id"], trained["final_step"]
-    logger = context.run_logger(run_id)
+    logger = run_logger(run_id)
     in_store = params.get("checkpoint_location", "store") == "store"
     try:
         if in_store:
             latest = read_commit(run_location(params["store_uri"], params["experiment"], run_id,
-                                              context.store_env(params)))
+                                              store_env(params)))
             if latest["step"] != step:
                 raise StoreError(f"`latest` names step {latest['step']}, not the final step {step}")
             uri = latest["uri"]
             log.info("committed by the ranks: %s", uri)
         else:
             c = upload_checkpoint(urlparse(trained["checkpoint_uri"]).path, params["store_uri"],
-                                  experiment=params["experiment"], run_id=run_id, env=context.store_env(params))
+                                  experiment=params["experiment"], run_id=run_id, env=store_env(params))
             uri = c.uri
             log.info("committed %s (%d objects uploaded, %d already there) in %.2fs", uri, c.uploaded, c.skipped,
                      c.seconds)
@@ -274,16 +279,16 @@ def commit(params: dict[str, Any], trained: dict[str, Any]) -> Handoff:
                    final_step=step, torchrun_wall_s=trained["torchrun_wall_s"])
 
 
-def train_and_commit(opened: Any) -> Any:
+def train_and_commit(validated: Any) -> Any:
     """Task group ``local``: train -> upload_checkpoint. Returns the XComArg of the Handoff."""
     with TaskGroup("local", prefix_group_id=False, tooltip="torchrun on the Airflow worker, then the commit"):
 
         @task
-        def train(opened: dict, params=None) -> dict:
-            return run_torchrun(params, opened)
+        def train(validated: dict, params=None) -> dict:
+            return run_torchrun(params, validated)
 
         @task
         def upload_checkpoint(trained: dict, params=None) -> dict:
             return commit(params, trained)
 
-        return upload_checkpoint(train(opened))
+        return upload_checkpoint(train(validated))

@@ -39,7 +39,7 @@ def check_params(params: dict[str, Any]) -> int:
     return checks.check_params(params, worker_tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
 
 
-def train_and_commit(opened: Any) -> Any:
+def train_and_commit(validated: Any) -> Any:
     """Task group ``kubernetes``; returns the XComArg of the Handoff."""
     from training_airflow.backends.kubernetes.operators import (
         DeleteRendezvousServiceOperator,
@@ -51,18 +51,18 @@ def train_and_commit(opened: Any) -> Any:
 
     with TaskGroup("kubernetes", prefix_group_id=False,
                    tooltip="Indexed Job of k8s_nnodes pods, an upload pod, the rendezvous Service around them"):
-        create = RendezvousServiceOperator(task_id="create_rendezvous_service", handoff=opened)
-        job = TrainingJobOperator(task_id="train_on_kubernetes", handoff=opened,
+        create = RendezvousServiceOperator(task_id="create_rendezvous_service", handoff=validated)
+        job = TrainingJobOperator(task_id="train_on_kubernetes", handoff=validated,
                                   # the Job's activeDeadlineSeconds (Param k8s_active_deadline_s) is the real limit
                                   execution_timeout=timedelta(days=30))
-        upload = UploadPodOperator(task_id="upload_on_kubernetes", handoff=opened)
-        delete = DeleteRendezvousServiceOperator(task_id="delete_rendezvous_service", handoff=opened)
+        upload = UploadPodOperator(task_id="upload_on_kubernetes", handoff=validated)
+        delete = DeleteRendezvousServiceOperator(task_id="delete_rendezvous_service", handoff=validated)
 
         @task(task_id="confirm_commit", trigger_rule=TriggerRule.NONE_FAILED)  # runs after a skipped upload too
-        def confirm(opened: dict, params=None, ti=None) -> dict:
-            return confirm_commit(params, opened, job=ti.xcom_pull(task_ids="train_on_kubernetes", key="job"))
+        def confirm(validated: dict, params=None, ti=None) -> dict:
+            return confirm_commit(params, validated, job=ti.xcom_pull(task_ids="train_on_kubernetes", key="job"))
 
-        confirmed = confirm(opened)
+        confirmed = confirm(validated)
         create >> job >> upload >> confirmed
         job >> delete.as_teardown(setups=create)
         return confirmed

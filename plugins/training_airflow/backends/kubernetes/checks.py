@@ -14,7 +14,7 @@ import re
 from typing import Any
 from urllib.parse import urlparse
 
-from training.fields import ConfigError, check_value, specs
+from training.config.fields import ConfigError, check_value, specs
 from training_airflow.backends.kubernetes.params import NCCL_NAME, KubernetesParams
 from training_airflow.backends.kubernetes.spec import CHECKPOINT_MOUNT, DATA_MOUNT, node_range, pod_train_config, world_sizes
 

@@ -34,32 +34,36 @@ from training_airflow.backends.kubernetes.spec import (
     service_yaml,
     upload_pod_kwargs,
 )
-from training_airflow.context import Handoff, Opened, fails_fast, run_logger, store_env
+from training_airflow.connections import store_env
+from training_airflow.failures import fails_fast
+from training_airflow.handoff import Handoff, Validated
+from training_airflow.mlflow_run import run_logger
 
 log = logging.getLogger(__name__)
 
 
-def committed_handoff(params: dict[str, Any], opened: Opened, *, job: dict[str, Any] | None) -> Handoff:
+def committed_handoff(params: dict[str, Any], validated: Validated, *, job: dict[str, Any] | None) -> Handoff:
     """After the Job (checkpoints in the store: the ranks committed the final one) or the upload
     pod: read the commit back from the store (the worker has no checkpoint volume; the store
     settings are the run's, as on the local backend) and hand on the same keys as the local
     backend's ``upload_checkpoint``."""
-    from training.storage import StoreError, read_commit, run_location
+    from training.checkpoint.commit import read_commit, run_location
+    from training.store.base import StoreError
 
-    run_id = opened["mlflow_run_id"]
+    run_id = validated["mlflow_run_id"]
     try:
         latest = read_commit(run_location(params["store_uri"], params["experiment"], run_id, store_env(params)))
     except StoreError as e:
         raise RuntimeError(f"training finished but {e}") from None
-    return Handoff(mlflow_run_id=run_id, dataset_uri=opened["dataset_uri"],
-                   dataset_fingerprint=opened["dataset_fingerprint"], checkpoint_uri=latest["uri"],
+    return Handoff(mlflow_run_id=run_id, dataset_uri=validated["dataset_uri"],
+                   dataset_fingerprint=validated["dataset_fingerprint"], checkpoint_uri=latest["uri"],
                    final_step=latest["step"], torchrun_wall_s=job_wall_s(job))
 
 
 @fails_fast
-def confirm_commit(params: dict[str, Any], opened: Opened, *, job: dict[str, Any] | None) -> Handoff:
+def confirm_commit(params: dict[str, Any], validated: Validated, *, job: dict[str, Any] | None) -> Handoff:
     """The ``confirm_commit`` task: read the commit back, tag the MLflow run, hand on."""
-    handoff = committed_handoff(params, opened, job=job)
+    handoff = committed_handoff(params, validated, job=job)
     logger = run_logger(handoff["mlflow_run_id"])
     logger.set_tags({"checkpoint.uri": handoff["checkpoint_uri"]})
     # Same summary figure as the local backend; here it is the Job's start-to-completion time.

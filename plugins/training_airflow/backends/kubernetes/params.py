@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from training.fields import knob
+from training.config.fields import knob
 
 SECTION = "Kubernetes backend"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"

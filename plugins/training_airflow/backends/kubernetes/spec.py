@@ -31,7 +31,7 @@ from kubernetes.client import models as k8s
 
 from airflow.providers.cncf.kubernetes.operators.job import JOB_NAME_PREFIX
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
-from training.elastic import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from training.distributed.elastic import EXIT_BAD_INPUT, EXIT_PREEMPTED
 
 CHECKPOINT_MOUNT = "/checkpoints"
 DATA_MOUNT = "/data"
@@ -50,7 +50,7 @@ RUN_UID = 10001  # the non-root user of docker/training.Dockerfile
 # 75 preempted: the ranks wrote a checkpoint of the current step. The Ignore rule replaces the pod
 #   without counting it against backoffLimit, and the replacement resumes from that checkpoint.
 # What the training container runs: torchrun's agent with the exit-code contract (training/elastic.py).
-LAUNCHER = ["python", "-m", "training.elastic"]
+LAUNCHER = ["python", "-m", "training.distributed.elastic"]
 # Seconds each layer of a preempted pod keeps back from the one above it: the agent stops waiting
 # for its ranks this long before the kubelet's SIGKILL, and the ranks give up this long before the
 # agent's own SIGKILL, so a stuck rank is reported by the layer that waited for it.
@@ -161,15 +161,15 @@ def in_store(params: dict[str, Any]) -> bool:
 def pod_train_config(params: dict[str, Any], *, run_dir: str, run_id: str, world_size: int | None = None) -> dict[str, Any]:
     """The TrainConfig the pods run, built by the same code as the local backend's. With the
     checkpoints in the store the run's records (steps.jsonl...) stay in the pod's /tmp."""
-    from training.storage import run_uri
-    from training_airflow import context
+    from training.checkpoint.commit import run_uri
+    from training_airflow import run_config
 
     if in_store(params):
         where = {"checkpoint_dir": run_uri(params["store_uri"], params["experiment"], run_id), "output_dir": "/tmp/output"}
     else:
         where = {"checkpoint_dir": f"{run_dir}/checkpoints", "output_dir": f"{run_dir}/output"}
     # The preemption grace is the pod's (``grace``), not the local backend's Param.
-    cfg = context.train_config({**params, "preempt_grace_s": grace(params).rank_s},
+    cfg = run_config.train_config({**params, "preempt_grace_s": grace(params).rank_s},
                                world_size=world_size or world_sizes(params)[-1], **where).to_dict()
     if not str(cfg["dataset_uri"]).startswith("s3://"):  # the pods read an s3:// dataset themselves
         cfg["dataset_uri"] = params["k8s_dataset_path"]
@@ -183,8 +183,8 @@ def _escape(value: str) -> str:
 
 def set_args(cfg: dict[str, Any]) -> list[str]:
     """A TrainConfig as `--set key=value` arguments (the trainer's CLI contract), escaped for Kubernetes."""
-    from training.config import TrainConfig
-    from training.fields import set_args as to_set_args
+    from training.config.train_config import TrainConfig
+    from training.config.fields import set_args as to_set_args
 
     return [_escape(a) for a in to_set_args(TrainConfig, cfg)]
 
@@ -303,7 +303,7 @@ def rdzv_conf(params: dict[str, Any]) -> str:
 
 def torchrun_args(params: dict[str, Any], names_: Names, cfg: dict[str, Any]) -> list[str]:
     """The pods' torchrun arguments (what follows LAUNCHER, which parses them as torchrun does)."""
-    from training.launch import torchrun_command
+    from training.distributed.launch import torchrun_command
 
     nmin, nmax = node_range(params)
     cmd = torchrun_command(set_args(cfg), nproc_per_node=procs_per_node(params), nnodes=f"{nmin}:{nmax}",

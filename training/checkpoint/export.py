@@ -1,0 +1,46 @@
+"""The portable model: ``model.safetensors`` + ``model_config.json``, written from the sharded
+model by rank 0 and rebuilt anywhere without pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from training.util import atomic_write
+
+
+MODEL_FILE = "model.safetensors"
+MODEL_CONFIG_FILE = "model_config.json"
+
+
+def export_model(model, path: str | Path, spec: dict[str, Any]) -> None:
+    """Collective: consolidate the full model on rank 0 and write safetensors + its config."""
+    from safetensors.torch import save_file
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / (MODEL_FILE + ".tmp")
+        save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
+        os.replace(tmp, path / MODEL_FILE)
+        atomic_write(path / MODEL_CONFIG_FILE, json.dumps(spec, indent=2) + "\n")
+    dist.barrier()
+
+
+def load_exported(path: str | Path):
+    """Rebuild the model from ``model.safetensors`` + ``model_config.json`` (no pickle involved)."""
+    from safetensors.torch import load_file
+
+    from training.models.build import build_model
+
+    path = Path(path)
+    spec = json.loads((path / MODEL_CONFIG_FILE).read_text())
+    model = build_model(spec)
+    model.load_state_dict(load_file(str(path / MODEL_FILE)))
+    return model, spec

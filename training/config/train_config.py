@@ -1,0 +1,264 @@
+"""The trainer's configuration: one dataclass, each field declared once with ``knob()``.
+
+Its title, help, type (``Literal`` for fixed choices), limits and default live under the field;
+the CLI's help, ``--set`` parsing, the Airflow trigger form, the MLflow params and the tables in
+docs/configuration.md and the README are all generated from it (``training.fields``). Adding a
+knob means adding a field here and using it where it matters, nothing else.
+
+Rules *between* fields are ``check_*`` functions below; every mistake raises ``ConfigError`` whose
+message names the field and says how to fix it. Nothing here touches the file system, starts a
+process group or imports torch, so a bad config is refused before any compute is spent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from training.config.fields import ConfigError, check_fields, choices, from_strings, knob
+
+__all__ = ["ConfigError", "TrainConfig", "MODEL_KIND", "load_train_config", "check_path_part", "choices",
+           "higher_is_better", "metric_task"]
+
+# Which dataset kind (dataset.json "kind") each built-in model reads; a factory reads any.
+MODEL_KIND = {"mlp": "tabular", "cnn": "images", "transformer": "tokens"}
+# A built-in family, or a factory `package.module:function` (the module part may be one name).
+MODEL_PATTERN = r"^(mlp|cnn|transformer|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$"
+ADVANCED = "Trainer (advanced)"
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+EVAL_METRICS = ("eval/accuracy", "eval/loss", "eval/r2", "eval/rmse")
+
+
+def higher_is_better(metric: str) -> bool:
+    """Accuracy and R² improve upwards; a loss and an RMSE downwards."""
+    return metric in ("eval/accuracy", "eval/r2")
+
+
+def metric_task(metric: str) -> str | None:
+    """The task that logs ``metric`` (None: every task logs it)."""
+    return {"eval/accuracy": "classification", "eval/r2": "regression", "eval/rmse": "regression"}.get(metric)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything `python -m training train` needs."""
+
+    dataset_uri: str = knob(
+        "", "Parquet data: a folder, one file, or s3://bucket/prefix (S3 settings as for the store). Layouts: train/ "
+        "and validation/ (or val/) sub-folders, train* and val* files side by side, or one table split by "
+        "validation_fraction; a dataset.json is optional. On the Airflow side a relative path is relative to the "
+        "project folder", title="Dataset")
+    label_column: str = knob(
+        "label", "the column to predict (a table without dataset.json; with one, dataset.json names it)",
+        title="Label column", schema={"minLength": 1})
+    feature_columns: str | None = knob(
+        None, "comma-separated columns the model reads; empty: every numeric column but the label (a non-numeric "
+        "column named here is refused before any rank starts)", title="Feature columns")
+    task: Literal["auto", "classification", "regression"] = knob(
+        "auto", "auto: a label of integers with at most 50 distinct values in train is classification, any other "
+        "numeric label regression (the run records which and why)", title="Task", tag=True)
+    validation_fraction: float = knob(
+        0.2, "share of a one-table dataset's rows that go to validation: a hash of each row's values and split_seed "
+        "decides, so appended rows never move existing ones; unused when the data has its own validation split",
+        title="Validation fraction", exclusive_minimum=0, maximum=0.9)
+    model: str = knob(
+        "mlp", "a built-in family matching the data (mlp: tables, cnn: 8x8 images, transformer: tokens) or your own "
+        "factory package.module:function, importable on the workers and in the pods: it gets the model spec "
+        "(a dict) and returns a torch.nn.Module", title="Model", tag=True,
+        schema={"examples": list(MODEL_KIND), "pattern": MODEL_PATTERN})
+    model_args: dict[str, Any] = knob(
+        {}, "a JSON object handed to a factory model untouched, as spec['model_args'] (and recorded with the model)",
+        title="Model arguments")
+    strategy: Literal["ddp", "fsdp"] = knob(
+        "ddp", "ddp: a replica per rank, bucketed all-reduce overlapped with backward; fsdp: FSDP2 fully_shard per "
+        "block (parameters, gradients and optimizer state sharded)", title="Strategy", tag=True)
+    precision: Literal["fp32", "bf16", "fp16"] = knob(
+        "fp32", "fp32; bf16 (autocast, or FSDP2 mixed precision); fp16 (autocast + dynamic loss scaling, ddp only)",
+        title="Precision", tag=True)
+    comm_hook: Literal["none", "fp16", "bf16"] = knob(
+        "none", "DDP gradient compression before the all-reduce: none, fp16, bf16 (bf16 needs GPUs)",
+        title="Gradient compression (DDP)")
+    steps: int = knob(300, "optimizer steps in total", title="Steps", minimum=1, maximum=10_000_000)
+    batch_size: int = knob(
+        64, "global batch: samples per optimizer step over all ranks and micro-batches; divisible by world size x "
+        "grad_accum", title="Global batch size", minimum=1, maximum=1_048_576)
+    grad_accum: int = knob(
+        1, "micro-batches per optimizer step; only the last one communicates", title="Gradient accumulation",
+        minimum=1, maximum=1024)
+    lr: float = knob(3e-3, "peak AdamW learning rate (linear warm-up, cosine decay to 10%)", title="Learning rate",
+                     exclusive_minimum=0, maximum=10)
+    seed: int = knob(1234, "seed for weights, data order and every RNG; the same seed reproduces the run",
+                     title="Seed", minimum=0)
+    checkpoint_every: int = knob(
+        100, "save a checkpoint every K steps (0 = only the final one); a retried train task resumes from the latest",
+        title="Checkpoint every K steps", minimum=0)
+    eval_every: int = knob(
+        0, "score the validation split every N steps during training: eval/loss and eval/accuracy curves (0 = off; "
+        "the evaluate task still scores the final checkpoint)", title="Evaluate every N steps", minimum=0,
+        maximum=10_000_000)
+    target_metric: Literal["none", "eval/accuracy", "eval/loss", "eval/r2", "eval/rmse"] = knob(
+        "none", "time-to-train: log time_to_target_s and steps_to_target the first time this metric reaches "
+        "target_value (none = no target; accuracy for classification, r2 and rmse for regression); needs "
+        "eval_every > 0", title="Target metric")
+    target_value: float | None = knob(
+        None, "accuracy or R² at least this (at most 1), loss or RMSE at most this; required with a target metric",
+        title="Target value", minimum=0)
+
+    weight_decay: float = knob(0.0, "AdamW weight decay", minimum=0, maximum=10, section=ADVANCED)
+    grad_clip: float = knob(1.0, "clip the global gradient norm to this value (0 = no clipping)",
+                            title="Gradient clipping", minimum=0, section=ADVANCED)
+    warmup_steps: int = knob(20, "linear warm-up steps before the cosine decay", title="Warm-up steps", minimum=0,
+                             section=ADVANCED)
+    hidden: int = knob(128, "hidden width (mlp, cnn head) or model width d_model (transformer)", title="Hidden width",
+                       minimum=1, maximum=65_536, section=ADVANCED)
+    depth: int = knob(2, "hidden layers (mlp) or decoder blocks (transformer)", title="Depth", minimum=1, maximum=256,
+                      section=ADVANCED)
+    n_heads: int = knob(4, "attention heads (transformer); must divide hidden", title="Attention heads", minimum=1,
+                        maximum=256, section=ADVANCED)
+    dropout: float = knob(0.0, "dropout probability (transformer)", title="Dropout", minimum=0, maximum=0.95,
+                          section=ADVANCED)
+    bucket_cap_mb: float = knob(
+        25.0, "DDP gradient bucket size in MiB: gradients are all-reduced bucket by bucket while backward still runs, "
+        "so smaller buckets overlap more communication with compute (more, smaller collectives)",
+        title="DDP bucket size (MiB)", exclusive_minimum=0, maximum=1024, section=ADVANCED)
+    async_checkpoint: bool = knob(
+        False, "save periodic checkpoints with dcp.async_save: training blocks only while the state is copied to "
+        "host memory; writing, hashing, uploading and the commit run in the background", title="Asynchronous checkpoints",
+        section=ADVANCED)
+    retention_keep_last: int = knob(
+        3, "keep the last K committed checkpoints of the run, plus the best by eval/loss and whatever `latest` names "
+        "(never deleted); applied after every commit (in the store, once the newer one is durable) and after the "
+        "evaluate task; 0 keeps all", title="Keep last K checkpoints", minimum=0, maximum=1000, section=ADVANCED)
+    log_every: int = knob(10, "log metrics and a progress line every N steps", title="Log every N steps", minimum=1,
+                          maximum=1_000_000, section=ADVANCED)
+    replica_check_every: int = knob(
+        0, "every N steps compare a hash of the weights across ranks and fail on divergence (0 = off)",
+        title="Replica check every N steps", minimum=0, section=ADVANCED)
+    collective_timeout_s: int = knob(
+        300, "timeout of one collective: a hung rank fails the run after this long", title="Collective timeout (s)",
+        minimum=1, maximum=86_400, section=ADVANCED)
+    preempt_grace_s: int = knob(
+        60, "after SIGTERM, seconds a rank may take to checkpoint and exit before it exits anyway",
+        title="Preemption grace (s)", minimum=1, maximum=3600, section=ADVANCED)
+    split_seed: int = knob(0, "seed of the one-table split (validation_fraction); the same seed keeps the same rows "
+                           "in validation", title="Split seed", minimum=0, section=ADVANCED)
+
+    checkpoint_dir: str = knob(
+        "", "where every rank writes and commits checkpoints: a folder, file:///folder or s3://bucket/prefix "
+        "(step_XXXXXXXX/ with a sha256 manifest, then `latest`); resume reads it back from there", form=False,
+        per_run=True)
+    output_dir: str = knob("", "folder for the run's records: steps.jsonl, train_summary.json, run_clock.json, "
+                           "train.log", form=False, per_run=True)
+    dataset_fingerprint: str = knob(
+        "", "the data fingerprint the data gate recorded: the ranks refuse data whose files hash differently "
+        "(empty: no check)", form=False, per_run=True)
+
+    def __post_init__(self) -> None:
+        if self.target_metric == "":  # train_config.json files written before "none" was a choice
+            self.target_metric = "none"
+        check_fields(self)
+        check_rules(self)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Cross-field rule that needs the launch size: the global batch splits evenly into
+        ``world_size`` ranks times ``grad_accum`` micro-batches."""
+        if self.batch_size % (world_size * self.grad_accum):
+            raise ConfigError(
+                "batch_size",
+                f"{self.batch_size} is not divisible by world_size={world_size} x grad_accum={self.grad_accum}",
+                f"choose a batch_size that is a multiple of {world_size * self.grad_accum}",
+            )
+
+    def check_dataset(self, meta: dict[str, Any]) -> None:
+        """The model must read the kind of data the dataset holds (a factory reads any), and the
+        target metric must be one the dataset's task logs."""
+        kind = MODEL_KIND.get(self.model)
+        if kind is not None and kind != meta.get("kind"):
+            raise ConfigError("model", f"{self.model} reads {kind} data but {self.dataset_uri} holds "
+                              f"{meta.get('kind')} data", f"use a {kind} dataset or another model")
+        task = meta.get("task", "classification")
+        wanted = metric_task(self.target_metric)
+        if self.has_target and wanted is not None and wanted != task:
+            raise ConfigError("target_metric", f"{self.target_metric} is not measured for {task}",
+                              "use eval/loss, or eval/r2 / eval/rmse for regression and eval/accuracy for classification")
+
+    def check_device(self, cuda: bool) -> None:
+        """Rules that depend on the hardware the ranks run on."""
+        if self.comm_hook == "bf16" and not cuda:
+            raise ConfigError("comm_hook", "bf16 gradient compression needs CUDA (gloo has no bf16 all-reduce)",
+                              "use comm_hook=fp16 on CPU, or run on GPUs")
+
+    @property
+    def has_target(self) -> bool:
+        return self.target_metric != "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """Hash of what determines the trained weights (not where files go)."""
+        # Evaluation during training reads the weights but never changes them.
+        skip = ("checkpoint_dir", "output_dir", "eval_every", "target_metric", "target_value", "dataset_fingerprint",
+                "retention_keep_last")
+        keep = {k: v for k, v in self.to_dict().items() if k not in skip}
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_rules(cfg: TrainConfig) -> None:
+    """Rules between fields (each field's own type and limits are checked by ``check_fields``)."""
+    if cfg.comm_hook != "none" and cfg.strategy != "ddp":
+        raise ConfigError("comm_hook", f"{cfg.comm_hook!r} compresses DDP gradients but strategy is {cfg.strategy!r}",
+                          "use comm_hook=none with fsdp (set its reduce precision through precision=bf16)")
+    if cfg.precision == "fp16" and cfg.strategy == "fsdp":
+        raise ConfigError("precision", "fp16 with fsdp is not supported (loss scaling of sharded gradients)",
+                          "use precision=bf16 with fsdp, or strategy=ddp for fp16")
+    if not cfg.dataset_uri:
+        raise ConfigError("dataset_uri", "is empty", "pass the dataset folder, e.g. --set dataset_uri=var/data/teacher")
+    if not re.match(MODEL_PATTERN, cfg.model):
+        raise ConfigError("model", f"{cfg.model!r} is neither a built-in family ({', '.join(MODEL_KIND)}) nor a factory "
+                          "path package.module:function", f"use one of {', '.join(MODEL_KIND)}, or write the path of "
+                          "your function, e.g. my_models.resnet:build")
+    if not cfg.label_column.strip():
+        raise ConfigError("label_column", "is empty", "name the column to predict, e.g. --set label_column=target")
+    if cfg.has_target:
+        if not cfg.eval_every:
+            raise ConfigError("target_metric", f"{cfg.target_metric} is measured by evaluation during training, "
+                              "which is off (eval_every=0)", "set eval_every to a number of steps, e.g. 50")
+        if cfg.target_value is None:
+            raise ConfigError("target_value", f"is empty but target_metric is {cfg.target_metric}",
+                              "give the value to reach, e.g. 0.8 for eval/accuracy, or set target_metric to none")
+        if cfg.target_metric in ("eval/accuracy", "eval/r2") and not 0.0 < cfg.target_value <= 1.0:
+            raise ConfigError("target_value", f"{cfg.target_value!r} is not a reachable {cfg.target_metric}",
+                              "use a value in (0, 1], e.g. 0.8")
+    if cfg.model == "transformer" and cfg.hidden % cfg.n_heads:
+        raise ConfigError("n_heads", f"hidden={cfg.hidden} is not divisible by n_heads={cfg.n_heads}",
+                          "choose n_heads dividing hidden (the transformer's width)")
+
+
+def load_train_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Build a TrainConfig from an optional JSON file and `key=value` overrides."""
+    values: dict[str, Any] = {}
+    if path:
+        try:
+            values.update(json.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise ConfigError("--config", f"file {path} does not exist", "pass an existing JSON file") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError("--config", f"{path} is not valid JSON ({e})", "fix the JSON syntax") from None
+    return TrainConfig(**from_strings(TrainConfig, values, overrides or []))
+
+
+def check_path_part(name: str, value: str) -> str:
+    """Refuse a value that would escape or confuse a storage key (``..``, ``/``, odd characters)."""
+    if not isinstance(value, str) or not _RUN_ID_RE.match(value) or ".." in value:
+        raise ConfigError(
+            name,
+            f"{value!r} is not a safe name",
+            "use letters, digits, '.', '_' and '-' only (no '..', no '/'), at most 128 characters",
+        )
+    return value

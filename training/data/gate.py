@@ -1,0 +1,487 @@
+"""The data gate: Great Expectations 1.x suites, one per split, against the dataset's schema.
+
+    python -m training validate --dataset-uri var/data/teacher [--label-column y] [--min-rows N] [--docs-dir DIR]
+
+The schema (training/schema.py) comes from ``dataset.json`` when the dataset has one (an explicit
+``schema`` section, or one derived from the generic fields ``make-data`` writes), and otherwise is
+inferred from the train split, so that validation is checked against what train holds::
+
+    "schema": {
+      "columns": [
+        {"name": "f0",    "dtype": "float", "min": -6.0, "max": 6.0},
+        {"name": "label", "dtype": "int",   "values": [0, 1, 2, 3]}
+      ],
+      "label": "label",                 # optional: enables the class-balance check
+      "min_rows": 100,                  # fewest rows a split may have
+      "max_duplicate_fraction": 0.01,   # share of rows that are exact copies of another row
+      "class_fraction": [0.025, 0.9]    # every label value's share of rows lies in this range
+    }
+
+The dataset is opened first (training/tables.py: its layout, local folder or S3, every file's
+sha256); a missing folder, an unusable layout, or a table that cannot be described (no label
+column, a label with nulls, a single class...) fails the gate with the field to fix.
+
+Each split is read with pyarrow and checked by one suite: exact column set, dtypes, no nulls (NaN
+counts as null), no inf (column min/max within the declared or the float range), label values in
+the allowed set or range, minimum rows, duplicate-row fraction, per-class share. Range checks use
+the column min/max (vectorized) instead of GX's per-value ``expect_column_values_to_be_between``,
+which calls a Python function per value and takes seconds on a million rows.
+
+The verdict names every failed expectation with what was observed, one line each, and carries a
+fingerprint of the data (sha256 of every file read, row counts) and, as ``data_schema``, what the
+data is (layout, description with the task and why, train's columns, classes and their shares, the
+schema checked). With ``docs_dir`` GX's own Data Docs (HTML) are built there from the stored
+validation results. ``gate_cached`` keeps a passed verdict for the same bytes, options,
+schema, gate code and GX version.
+
+One module past 400 lines: opening the data, the suite, the two custom expectations it uses, the
+verdict's lines and the key of a kept verdict (which hashes this file) change together; what the
+data must look like lives in training/schema.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from training.data.dataset import Dataset
+from training.config.fields import ConfigError
+from training.data.schema import (  # noqa: F401 (the gate's schema types, importable from here too)
+    DTYPE_FAMILIES,
+    NUMERIC,
+    DatasetSchema,
+    SchemaError,
+    class_shares,
+    schema_from_meta,
+)
+from training.data.options import DataOptions
+from training.data.sources import SPLITS, TABLE, discover
+from training.data.sources import fingerprint as files_fingerprint
+from training.util import sha256_file
+
+# GX logs a line per expectation at INFO; the verdict we print is the readable summary.
+logging.getLogger("great_expectations").setLevel(logging.WARNING)
+
+
+class DataValidationError(ValueError):
+    """The dataset failed the gate. ``report`` holds the full verdict."""
+
+    def __init__(self, report: dict[str, Any]):
+        self.report = report
+        lines = [f"data validation failed for {report['dataset_uri']}:"] + [f"  - {f}" for f in report["failures"]]
+        super().__init__("\n".join(lines))
+
+
+def fingerprint(root: str | Path) -> str:
+    """The data fingerprint of a dataset (sha256 over every data file's path and sha256)."""
+    return files_fingerprint(discover(str(root)).all_files)
+
+
+# --------------------------------------------------------------------------- suite
+
+
+_CUSTOM: dict[str, Any] = {}
+
+
+def _custom_expectations() -> dict[str, Any]:
+    """Two GX expectations GX 1.x lacks, defined once (GX registers expectation and metric classes
+    by name when the class is created) and only when GX is imported.
+
+    - ``expect_column_class_fractions_to_be_between``: every class's share of rows within bounds.
+      The built-in KL-divergence expectation needs a partition object and reports one divergence,
+      not which class is off; this one reads GX's ``column.value_counts`` metric and reports shares.
+    - ``expect_rows_to_be_unique``: the built-in compound-unique check, but on a 64-bit hash per row
+      (pandas ``hash_pandas_object``) instead of ``DataFrame.duplicated`` over every column, which
+      factorizes each float column and takes seconds on a million rows. A hash collision could only
+      count two distinct rows as duplicates (never hide one); at 1e6 rows its chance is ~3e-8.
+    """
+    if _CUSTOM:
+        return _CUSTOM
+    from typing import ClassVar, Optional
+
+    from great_expectations.execution_engine import PandasExecutionEngine
+    from great_expectations.expectations.core.expect_compound_columns_to_be_unique import (
+        ExpectCompoundColumnsToBeUnique,
+    )
+    from great_expectations.expectations.expectation import ColumnAggregateExpectation
+    from great_expectations.expectations.metrics.map_metric_provider import MulticolumnMapMetricProvider
+    from great_expectations.expectations.metrics.map_metric_provider.multicolumn_condition_partial import (
+        multicolumn_condition_partial,
+    )
+
+    class ExpectColumnClassFractionsToBeBetween(ColumnAggregateExpectation):
+        """Every value of ``value_set`` makes up between ``min_fraction`` and ``max_fraction`` of the rows."""
+
+        value_set: list
+        min_fraction: float
+        max_fraction: float
+
+        metric_dependencies: ClassVar[tuple[str, ...]] = ("column.value_counts",)
+        success_keys: ClassVar[tuple[str, ...]] = ("value_set", "min_fraction", "max_fraction")
+        args_keys: ClassVar[tuple[str, ...]] = ("column", "value_set", "min_fraction", "max_fraction")
+
+        def _validate(self, metrics: dict, runtime_configuration: Optional[dict] = None, execution_engine=None):
+            counts = metrics["column.value_counts"]
+            total = int(counts.sum())
+            shares = {str(v): (int(counts.get(v, 0)) / total if total else 0.0) for v in self.value_set}
+            off = {k: round(s, 4) for k, s in shares.items() if not self.min_fraction <= s <= self.max_fraction}
+            return {"success": total > 0 and not off,
+                    "result": {"observed_value": {k: round(s, 4) for k, s in shares.items()},
+                               "details": {"out_of_bounds": off}}}
+
+    class RowsUniqueByHash(MulticolumnMapMetricProvider):
+        condition_metric_name = "multicolumn_values.unique_by_row_hash"
+        condition_domain_keys = ("batch_id", "table", "column_list", "row_condition", "condition_parser",
+                                 "ignore_row_if")
+
+        @multicolumn_condition_partial(engine=PandasExecutionEngine)
+        def _pandas(cls, column_list, **kwargs):
+            import pandas as pd
+
+            return ~pd.util.hash_pandas_object(column_list, index=False).duplicated(keep=False)
+
+    class ExpectRowsToBeUnique(ExpectCompoundColumnsToBeUnique):
+        """Rows (over ``column_list``) are unique; ``mostly`` bounds the share of duplicated rows."""
+
+        map_metric = "multicolumn_values.unique_by_row_hash"
+
+    _CUSTOM.update(class_fractions=ExpectColumnClassFractionsToBeBetween, rows_unique=ExpectRowsToBeUnique,
+                   _metric=RowsUniqueByHash)
+    return _CUSTOM
+
+
+def build_suite(schema: DatasetSchema, *, name: str, dtypes: dict[str, Any] | None = None, rows: int | None = None):
+    """The GX suite for one split.
+
+    ``dtypes`` (the split's column -> dtype) and ``rows`` keep the verdict to the root causes: a
+    missing column is reported once (by the column-set check), not once per check on it; range
+    checks run only on columns that are numeric; an empty split gets only the table checks.
+    """
+    import great_expectations as gx
+    import great_expectations.expectations as gxe
+    import numpy as np
+    from pandas.api import types as pd_types
+
+    names = [c.name for c in schema.columns]
+    have = set(dtypes if dtypes is not None else names)
+    if rows == 0:
+        have = set()
+    # Built as one list: ExpectationSuite.add_expectation compares each new expectation with every
+    # earlier one (quadratic, a noticeable share of the gate's time at ~40 expectations per split).
+    ex: list[Any] = [gxe.ExpectTableColumnsToMatchSet(column_set=names, exact_match=True),
+                     gxe.ExpectTableRowCountToBeBetween(min_value=schema.min_rows)]
+    for c in schema.columns:
+        if c.name not in have:
+            continue
+        if not c.nullable:
+            ex.append(gxe.ExpectColumnValuesToNotBeNull(column=c.name))
+        actual = dtypes.get(c.name) if dtypes is not None else None
+        # GX compares a column's dtype by equality with dtypes built from these names, and no name
+        # builds pandas 3's default string dtype (pyarrow storage, NaN as missing): a string column
+        # declared "string" is right as it is. "any": a column whose values the model never reads.
+        is_string = c.dtype == "string" and actual is not None and pd_types.is_string_dtype(actual)
+        if DTYPE_FAMILIES[c.dtype] and not is_string:
+            ex.append(gxe.ExpectColumnValuesToBeInTypeList(column=c.name, type_list=DTYPE_FAMILIES[c.dtype]))
+        numeric = actual is None or pd_types.is_numeric_dtype(actual) and not pd_types.is_bool_dtype(actual)
+        if c.dtype in NUMERIC and numeric and (c.dtype == "float" or c.min is not None or c.max is not None):
+            big = float(np.finfo(np.float64).max)
+            lo = c.min if c.min is not None else -big  # float columns: at least finite (no inf)
+            hi = c.max if c.max is not None else big
+            ex.append(gxe.ExpectColumnMinToBeBetween(column=c.name, min_value=lo, max_value=hi))
+            ex.append(gxe.ExpectColumnMaxToBeBetween(column=c.name, min_value=lo, max_value=hi))
+        if c.values is not None:
+            ex.append(gxe.ExpectColumnValuesToBeInSet(column=c.name, value_set=list(c.values)))
+    if set(names) <= have:
+        # Every row of a duplicate group (the original too) counts as duplicated.
+        ex.append(_custom_expectations()["rows_unique"](column_list=names, mostly=1.0 - schema.max_duplicate_fraction))
+    labels = schema.label_values()
+    if schema.class_fraction and schema.label in have and labels:
+        ex.append(_custom_expectations()["class_fractions"](
+            column=schema.label, value_set=labels, min_fraction=schema.class_fraction[0], max_fraction=schema.class_fraction[1]))
+    suite = gx.ExpectationSuite(name=name, expectations=ex)
+    return suite
+
+
+def _plain(v: Any) -> Any:
+    """GX results hold numpy scalars, NaN and pandas NA; make them JSON- and human-friendly."""
+    if v is None or type(v).__name__ == "NAType":
+        return "null"
+    if hasattr(v, "item") and not isinstance(v, (list, dict)):
+        try:
+            v = v.item()
+        except (ValueError, AttributeError):
+            pass
+    if isinstance(v, float) and math.isnan(v):
+        return "NaN"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    return v
+
+
+def _one_line(text: str) -> str:
+    """Error texts from readers can hold newlines and raw bytes; a verdict line holds neither."""
+    text = " ".join(text.split())
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+
+
+def _failure(split: str, r, schema: DatasetSchema) -> dict[str, Any]:
+    """One failed expectation: structured, plus a readable line naming column and observation."""
+    cfg = r.expectation_config
+    kw = cfg.kwargs
+    res = r.result or {}
+    col = kw.get("column")
+    if cfg.type == "expect_rows_to_be_unique":
+        col = "all columns"
+    observed: Any = None
+    if r.exception_info and r.exception_info.get("raised_exception"):
+        seen = f"could not run: {_one_line(str(r.exception_info.get('exception_message')))}"
+    elif cfg.type == "expect_table_columns_to_match_set":
+        mism = (res.get("details") or {}).get("mismatched") or {}
+        observed = _plain(res.get("observed_value"))
+        parts = [f"missing {mism['missing']}" if mism.get("missing") else "",
+                 f"unexpected {mism['unexpected']}" if mism.get("unexpected") else ""]
+        seen = ", ".join(p for p in parts if p) or f"observed {observed}"
+    elif cfg.type == "expect_rows_to_be_unique":
+        n, total = res.get("unexpected_count", 0), res.get("element_count", 0)
+        observed = round(n / total, 6) if total else None
+        seen = (f"{n} of {total} rows are duplicated ({100 * (observed or 0):.2f}%, "
+                f"allowed {100 * schema.max_duplicate_fraction:.2f}%)")
+    elif cfg.type == "expect_column_class_fractions_to_be_between":
+        observed = _plain(res.get("observed_value"))
+        off = _plain((res.get("details") or {}).get("out_of_bounds"))
+        seen = f"class shares {off or observed} outside [{kw['min_fraction']}, {kw['max_fraction']}]"
+    elif cfg.type == "expect_column_values_to_be_in_type_list" and "observed_value" in res:
+        observed = _plain(res["observed_value"])
+        family = next((f for f, names in DTYPE_FAMILIES.items() if names == list(kw.get("type_list") or [])), None)
+        seen = f"observed dtype {observed}, expected {family or kw.get('type_list')}"
+    elif res.get("unexpected_count"):
+        observed = res["unexpected_count"]
+        seen = f"{observed} bad values"
+        # Examples of a null check are all null: they say nothing the count does not.
+        examples = [e for e in (_plain(v) for v in res.get("partial_unexpected_list") or []) if e not in ("NaN", "null")][:3]
+        if examples:
+            seen += f", e.g. {examples}"
+    elif "observed_value" in res:
+        observed = _plain(res["observed_value"])
+        bounds = {k: _plain(kw[k]) for k in ("min_value", "max_value") if kw.get(k) is not None
+                  and abs(kw[k]) < 1e300}
+        seen = f"observed {observed}" + (f", allowed {bounds}" if bounds else "")
+    else:
+        seen = "failed"
+    line = f"{split}: {cfg.type}{f'({col})' if col else ''}: {seen}"
+    return {"split": split, "expectation": cfg.type, "column": col, "observed": observed, "line": line}
+
+
+# --------------------------------------------------------------------------- the gate
+
+
+def validate(dataset: str | Path | Dataset, **kwargs: Any) -> dict[str, Any]:
+    """The verdict of ``gate``; raises DataValidationError on failure."""
+    return gate(dataset, **kwargs)[0]
+
+
+def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, env: dict[str, str] | None = None,
+         min_rows: int | None = None, docs_dir: str | Path | None = None) -> tuple[dict[str, Any], Dataset]:
+    """Run the suite on every split. Returns the verdict and the opened dataset (its splits read
+    once, for the caller to go on with); raises DataValidationError on failure.
+
+    ``dataset``: a dataset_uri (opened with ``options`` and the S3 settings ``env``) or an opened
+    ``Dataset``. ``min_rows`` overrides the schema's minimum; ``docs_dir`` builds GX Data Docs
+    (HTML) there. The verdict (also on failure, in ``DataValidationError.report``): ``success``,
+    ``failures`` (readable lines), ``failed_expectations`` (split, expectation, column, observed),
+    ``rows`` per split, ``files`` (path, size, sha256), ``fingerprint``, ``schema`` (what was
+    checked), ``data_schema`` (what the data is), ``data_docs``.
+    """
+    uri = dataset.uri if isinstance(dataset, Dataset) else str(dataset)
+    report: dict[str, Any] = {"dataset_uri": uri, "success": False, "failures": [], "failed_expectations": [],
+                              "rows": {}, "files": [], "fingerprint": None}
+
+    def fail(line: str, **extra: Any) -> None:
+        report["failures"].append(line)
+        report["failed_expectations"].append({"line": line, **extra})
+
+    ds, tables, schema = _open(dataset, options, env, report, fail)
+    if min_rows is not None:
+        schema.min_rows = int(min_rows)
+    report["schema"] = {"kind": schema.kind, **schema.to_dict()}
+    report["data_schema"] = _data_schema(ds, schema, report)
+
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    context = gx.get_context(mode="ephemeral")
+    # Progress bars are noise in a task log (and carriage returns in a file).
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)
+    if docs_dir is not None:
+        context.add_data_docs_site(site_name="gate", site_config={
+            "class_name": "SiteBuilder", "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+            "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": str(docs_dir)}})
+    source = context.data_sources.add_pandas("pandas")
+    for split, table in tables.items():
+        # One pandas block per column: no copy into a 2-D block, and column access (GX touches
+        # every column many times) stays a cheap view.
+        df = table.to_pandas(split_blocks=True)
+        suite = context.suites.add(build_suite(schema, name=f"{schema.kind}_{split}", dtypes=dict(df.dtypes), rows=len(df)))
+        batch_def = source.add_dataframe_asset(name=split).add_batch_definition_whole_dataframe("all")
+        vd = context.validation_definitions.add(gx.ValidationDefinition(name=split, data=batch_def, suite=suite))
+        result = vd.run(batch_parameters={"dataframe": df})
+        del df
+        for r in result.results:
+            if not r.success:
+                f = _failure(split, r, schema)
+                report["failures"].append(f.pop("line"))
+                report["failed_expectations"].append({"line": report["failures"][-1], **f})
+    if docs_dir is not None:
+        context.build_data_docs(site_names=["gate"])
+        index = Path(docs_dir) / "index.html"
+        report["data_docs"] = str(index) if index.is_file() else None
+    report["success"] = not report["failures"]
+    if report["success"]:
+        return report, ds
+    raise DataValidationError(report)
+
+
+def _open(dataset, options, env, report: dict[str, Any], fail) -> tuple[Dataset, dict[str, Any], DatasetSchema]:
+    """The dataset, its readable splits (Arrow tables) and the schema to check them against; every
+    problem that stops the gate before GX is a failure line (then DataValidationError)."""
+    def stop() -> DataValidationError:
+        return DataValidationError(report)
+
+    try:
+        ds = dataset if isinstance(dataset, Dataset) else Dataset(discover(str(dataset), env=env), options or DataOptions())
+    except ConfigError as e:  # no such folder, bucket or object; an unreadable dataset.json
+        fail(str(e))
+        raise stop() from None
+    try:
+        declared = ds.declared_schema()
+    except (SchemaError, TypeError, ValueError) as e:
+        fail(f"dataset.json: {e}")
+        raise stop() from None
+    for problem in ds.layout.problems:
+        split = next((s for s in SPLITS if problem.startswith(f"{s}:")), None)
+        fail(problem if split else f"dataset_uri: {problem}", split=split)
+    if ds.layout.problems:
+        raise stop()
+    report["files"] = [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in ds.layout.all_files]
+    report["fingerprint"] = ds.fingerprint
+    tables: dict[str, Any] = {}
+    for split in SPLITS:
+        try:
+            tables[split] = ds.table(split)
+            report["rows"][split] = tables[split].num_rows
+        except Exception as e:  # corrupt / truncated / empty file: pyarrow raises several types
+            where = "table" if TABLE in ds.layout.files else split
+            fail(f"{where}: cannot read Parquet ({type(e).__name__}: {_one_line(str(e))})", split=split)
+            if TABLE in ds.layout.files:
+                break
+    if "train" not in tables:
+        raise stop()
+    try:
+        schema = declared if declared is not None else ds.gate_schema()
+    except ConfigError as e:  # the table cannot be described: no label column, a single class...
+        fail(str(e), field=e.field)
+        raise stop() from None
+    return ds, tables, schema
+
+
+def _data_schema(ds: Dataset, schema: DatasetSchema, report: dict[str, Any]) -> dict[str, Any]:
+    """What the data is, for the run (``data_schema.json``): where the rows came from, the
+    description (label, features, task and why), train's columns, the classes and their shares."""
+    out: dict[str, Any] = {"fingerprint": ds.fingerprint, **ds.layout.summary(ds.options), "rows": report["rows"]}
+    try:
+        d = ds.meta
+    except ConfigError:  # a dataset.json schema without a description (another kind of data)
+        d = None
+    if d is not None:
+        out["description"] = {k: d[k] for k in ("kind", "source", "label", "task", "task_reason", "features",
+                                                "n_classes", "classes", "normalize", "ignored_columns") if k in d}
+        if d.get("label") and d.get("task") == "classification":
+            classes = d.get("classes") or list(range(int(d["n_classes"])))
+            out["classes"] = class_shares(ds.table("train").column(d["label"]), classes)
+    out["train_columns"] = ds.train_profile()
+    out["schema_source"] = "dataset.json" if ds.declared_schema() is not None else "inferred from the train split"
+    out["schema"] = schema.to_dict()
+    return out
+
+
+# --------------------------------------------------------------------------- verdicts kept between runs
+
+
+def gate_key(ds: Dataset, min_rows: int | None = None) -> str:
+    """What a verdict depends on: the data files' bytes (the fingerprint), ``dataset.json``, the
+    options that turn the table into training data, the gate's code (this module, the schema and
+    the table reader), the Great Expectations version and ``min_rows``."""
+    import json
+    from importlib.metadata import version
+
+    from training.data import options, schema, sources, split
+
+    h = hashlib.sha256()
+    for part in (ds.fingerprint, json.dumps(ds.layout.meta, sort_keys=True, default=str),
+                 json.dumps(asdict(ds.options), sort_keys=True, default=str),
+                 *(sha256_file(Path(m.__file__)) for m in (options, schema, sources, split)), sha256_file(Path(__file__)),
+                 version("great_expectations"), str(min_rows)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+def gate_cached(dataset: str | Path, *, cache_dir: str | Path, options: DataOptions | None = None,
+                env: dict[str, str] | None = None, min_rows: int | None = None,
+                docs_dir: str | Path | None = None) -> tuple[dict[str, Any], Dataset]:
+    """``gate``, run once per dataset content and suite: a passed verdict (and its Data Docs) is
+    kept in ``cache_dir`` under ``gate_key`` and returned again while neither the data bytes, the
+    options, ``dataset.json``, the gate's code nor GX changed (opening and hashing the files is all
+    a repeat costs; the suite itself, with GX's import, takes seconds). The returned verdict then
+    carries ``cached_from`` (when and where that verdict was reached). A failed verdict is never
+    kept: the gate runs again and reports afresh."""
+    import json
+    import shutil
+    import time
+
+    try:
+        ds = Dataset(discover(str(dataset), env=env), options or DataOptions())
+        key = None if ds.layout.problems else gate_key(ds, min_rows)
+    except (ConfigError, OSError):  # no such folder, unreadable files: the gate itself says what is wrong
+        key = None
+    if key is None:
+        return gate(dataset, options=options, env=env, min_rows=min_rows, docs_dir=docs_dir)
+    entry = Path(cache_dir) / key
+    try:
+        report = json.loads((entry / "report.json").read_text())
+    except (OSError, ValueError):
+        report = None
+    if report is not None and docs_dir is not None and not (entry / "data_docs" / "index.html").is_file():
+        report = None  # kept without Data Docs, wanted with them: run the gate once more
+    if report is not None:
+        report["cached_from"] = {"validated_unix": report.pop("validated_unix", None),
+                                 "dataset_uri": report["dataset_uri"]}
+        report["dataset_uri"] = str(dataset)
+        report["data_docs"] = None
+        if docs_dir is not None:
+            shutil.copytree(entry / "data_docs", docs_dir, dirs_exist_ok=True)
+            report["data_docs"] = str(Path(docs_dir) / "index.html")
+        return report, ds
+    report, ds = gate(ds, min_rows=min_rows, docs_dir=docs_dir)  # raises when it fails
+    tmp = Path(cache_dir) / f".{key}.{os.getpid()}.tmp"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if report.get("data_docs"):
+            # The HTML and style sheet; GX's bundled fonts and images (~4 MB) are not kept.
+            shutil.copytree(docs_dir, tmp / "data_docs", ignore=shutil.ignore_patterns("fonts", "images"))
+        (tmp / "report.json").write_text(json.dumps({**report, "validated_unix": time.time()}))
+        shutil.rmtree(entry, ignore_errors=True)  # one kept without Data Docs
+        tmp.rename(entry)  # whole entries only; a concurrent writer's entry is as good as ours
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        logging.getLogger(__name__).warning("data gate verdict not cached in %s (%s)", cache_dir, e)
+    return report, ds

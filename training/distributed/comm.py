@@ -1,0 +1,197 @@
+"""``CommTimer``: how long gradient and parameter collectives are in flight, and how much of
+that the step waits for (exposed), for DDP and FSDP2 alike."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+
+class CommTimer:
+    """Wall time during which at least one gradient (DDP) or parameter/gradient (FSDP) collective
+    was in flight.
+
+    How it is measured: the DDP comm hook stamps ``perf_counter()`` when DDP hands a bucket to
+    the hook (the all-reduce is launched right then) and again in the future's completion
+    callback. Buckets overlap in time, so summing them would overcount; we take the length of the
+    union of the [launch, done] intervals of one step. It includes time the collective waited
+    for the slowest peer, which is communication cost as a user experiences it.
+
+    What part of it the step waited for (``exposed``): DDP hands the last bucket to the hook when
+    autograd has produced the last gradient; from then on backward has no compute left and only
+    waits for the reducer's futures (``loss.backward()`` returns after they complete). So the time
+    from the last launch to the return of ``backward()`` is exactly the communication that was not
+    hidden behind compute. On CUDA the CPU clock says nothing about the GPU, so the same two
+    moments are CUDA events on the compute stream, resolved when the log window closes.
+
+    FSDP2 (CPU/gloo): each unit's all-gather (forward, and again in backward for resharded units)
+    and reduce-scatter go through ``TimedAllGather`` / ``TimedReduceScatter``, FSDP2's public
+    custom-collective hooks. On gloo FSDP2 issues them synchronously from the training thread, so
+    each one's [call, return] is both its duration and time the step was blocked: all of it is
+    exposed (``blocked_s``). On CUDA FSDP2 runs them on its own streams, which the CPU clock can't
+    time; there no FSDP comm figures are logged rather than wrong ones.
+
+    Bytes: the collective's full buffer (the bucket for all-reduce, the unsharded output of an
+    all-gather, the unsharded input of a reduce-scatter). ``bus_bytes`` weights them as
+    nccl-tests' bus bandwidth does: 2(n-1)/n for all-reduce, (n-1)/n for all-gather and
+    reduce-scatter.
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self._lock = threading.Lock()
+        self._intervals: list[tuple[float, float]] = []
+        self.bytes = 0
+        self.bus_bytes = 0.0
+        self.blocked_s = 0.0
+        self.collectives = 0
+        self.cuda = device is not None and device.type == "cuda"
+        self.timed = True  # False where the strategy's collectives are not timed (FSDP on CUDA)
+        self.last_launch: float | None = None
+        self.last_launch_event = None  # CUDA only
+        # Every collective completes this much later (a slow network): set only by faults.install.
+        # One link: delayed collectives queue behind each other (gloo completes buckets on
+        # several threads), so each of N collectives in flight adds the delay, as on a saturated wire.
+        self.delay_s = 0.0
+        self.link = threading.Lock()
+
+    def launched(self) -> float:
+        """Called by the hook when DDP hands it a bucket; returns the launch time."""
+        now = time.perf_counter()
+        self.last_launch = now
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.last_launch_event = ev
+        return now
+
+    def backward_done(self):
+        """Call right after a communicating ``backward()`` returned. Returns the exposed time in
+        seconds (CPU) or a pair of CUDA events to resolve later with ``exposed_seconds``; None if
+        no collective was launched."""
+        if self.last_launch is None:
+            return None
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            pair, self.last_launch_event, self.last_launch = (self.last_launch_event, end), None, None
+            return pair
+        exposed, self.last_launch = max(0.0, time.perf_counter() - self.last_launch), None
+        return exposed
+
+    @staticmethod
+    def exposed_seconds(measured) -> float:
+        if measured is None:
+            return 0.0
+        if isinstance(measured, tuple):
+            start, end = measured
+            end.synchronize()
+            return max(0.0, start.elapsed_time(end) / 1000)
+        return measured
+
+    def record(self, start: float, end: float, nbytes: int, bus_factor: float, blocking: bool = False) -> None:
+        with self._lock:
+            self._intervals.append((start, end))
+            self.bytes += nbytes
+            self.bus_bytes += nbytes * bus_factor
+            self.collectives += 1
+            if blocking:
+                self.blocked_s += end - start
+
+    def pop_step(self) -> "CommStep":
+        """Communication since the last call: seconds with a collective in flight, bytes, bus
+        bytes, collectives, and seconds the training thread was blocked in a synchronous one."""
+        with self._lock:
+            intervals, self._intervals = sorted(self._intervals), []
+            nbytes, self.bytes = self.bytes, 0
+            bus, self.bus_bytes = self.bus_bytes, 0.0
+            blocked, self.blocked_s = self.blocked_s, 0.0
+            collectives, self.collectives = self.collectives, 0
+        total, cur_start, cur_end = 0.0, None, None
+        for s, e in intervals:
+            if cur_end is None or s > cur_end:
+                if cur_end is not None:
+                    total += cur_end - cur_start
+                cur_start, cur_end = s, e
+            else:
+                cur_end = max(cur_end, e)
+        if cur_end is not None:
+            total += cur_end - cur_start
+        return CommStep(seconds=total, bytes=nbytes, bus_bytes=bus, collectives=collectives, blocked_s=blocked)
+
+
+@dataclass
+class CommStep:
+    seconds: float
+    bytes: int
+    bus_bytes: float
+    collectives: int
+    blocked_s: float
+
+
+def _timed(inner):
+    """Wrap a stock DDP comm hook so that each bucket's collective is timed (see CommTimer)."""
+
+    # No annotations: DDP inspects them and `from __future__ import annotations` turns them into strings.
+    def hook(timer, bucket):
+        start = timer.launched()
+        buf = bucket.buffer()
+        # Bytes on the wire per rank: the compressing hooks send half-width copies.
+        width = 2 if inner in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook) else buf.element_size()
+        nbytes = buf.numel() * width
+        fut = inner(None, bucket)  # None: the default process group; averages over ranks
+        if timer.delay_s:
+            def slow(f, d=timer.delay_s):
+                with timer.link:
+                    time.sleep(d)  # runs where the future completes (the backend's thread), not in backward
+                return f.value()
+
+            fut = fut.then(slow)
+
+        n = dist.get_world_size()
+
+        def done(f):
+            timer.record(start, time.perf_counter(), nbytes, 2 * (n - 1) / n)
+            return f.value()
+
+        return fut.then(done)
+
+    return hook
+
+
+def _fsdp_timed_comms(timer: CommTimer):
+    """FSDP2 all-gather / reduce-scatter objects that time each call (see CommTimer). They
+    subclass FSDP2's stock ones (which live in a private module; ``set_custom_all_gather`` and
+    ``set_custom_reduce_scatter`` are the public way in) and only add the clock around them."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    def timed(call, nbytes: int, group) -> Any:
+        start = time.perf_counter()
+        work = call()
+        n = group.size()
+        if work is None:  # synchronous: the training thread waited for all of it
+            if timer.delay_s:
+                time.sleep(timer.delay_s)  # test-only: a slower network
+            timer.record(start, time.perf_counter(), nbytes, (n - 1) / n, blocking=True)
+            return None
+        work.get_future().then(lambda f: timer.record(start, time.perf_counter(), nbytes, (n - 1) / n))
+        return work
+
+    class TimedAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            nbytes = output_tensor.numel() * output_tensor.element_size()
+            return timed(lambda: super(TimedAllGather, self).__call__(output_tensor, input_tensor, group, async_op),
+                         nbytes, group)
+
+    class TimedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            nbytes = input_tensor.numel() * input_tensor.element_size()
+            return timed(lambda: super(TimedReduceScatter, self).__call__(output_tensor, input_tensor, group, op, async_op),
+                         nbytes, group)
+
+    return TimedAllGather(), TimedReduceScatter()
