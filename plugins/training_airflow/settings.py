@@ -50,12 +50,11 @@ def _init_sqlite_store(uri: str) -> None:
     ``UNIQUE constraint failed: experiments.workspace, name``."""
     if uri in _STORES_READY:
         return
-    import fcntl
+    from filelock import FileLock
 
     db = Path(uri.removeprefix("sqlite:///"))
     db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".init-lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with FileLock(db.with_name(db.name + ".init-lock")):
         from mlflow.tracking import MlflowClient
 
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)

@@ -37,14 +37,15 @@ deleting it is always safe.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
+
+from filelock import FileLock
 
 from training.config.fields import ConfigError
 from training.data.options import DataOptions
@@ -191,16 +192,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TRAINING_DATA_CACHE") or Path(base) / "airflow-distributed-training" / "data")
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed
-        yield
-
-
 class _S3Source:
     """An ``s3://bucket/prefix`` dataset through the checkpoint store's boto3 client."""
 
@@ -265,7 +256,8 @@ class _S3Source:
         digest = ident.hexdigest()
         path = cache_dir() / digest[:2] / f"{digest}.parquet"
         sidecar = path.with_name(path.name + ".sha256")
-        with _locked(path.with_name(path.name + ".lock")):  # one download per machine; the others wait
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(path.with_name(path.name + ".lock")):  # one download per machine; the others wait
             if path.is_file() and sidecar.is_file():
                 actual = sha256_file(path)
                 if actual == sidecar.read_text().strip():

@@ -93,10 +93,6 @@ class _Pipe:
         return True
 
 
-def _is(exc: BaseException, *names: str) -> bool:
-    return any(type(exc).__name__ == n or any(b.__name__ == n for b in type(exc).__mro__) for n in names)
-
-
 def _root_causes(exc: BaseException) -> list[BaseException]:
     """boto3 wraps some errors (S3UploadFailedError around the ClientError): look at the whole chain."""
     out, seen = [], set()
@@ -163,9 +159,12 @@ class S3Store:
         """Map a boto error to a StoreError a person can act on; None if it is not one we know.
 
         Messages name the bucket, the endpoint and the operation, never a credential."""
+        from botocore import exceptions as boto
+        from urllib3.exceptions import ProtocolError
+
         where = f"s3://{self.bucket}" + (f" at {self.endpoint}" if self.endpoint else "")
         for e in _root_causes(exc):
-            if _is(e, "ClientError"):
+            if isinstance(e, boto.ClientError):
                 code = str(e.response.get("Error", {}).get("Code", ""))
                 if code == "NoSuchBucket":
                     return StoreError(f"bucket '{self.bucket}' does not exist ({what}); create it or fix {self.field}",
@@ -175,15 +174,15 @@ class S3Store:
                     return StoreError(f"access denied to {where} ({what}: {code}); check the S3 credentials "
                                       "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the Airflow connection aws_conn_id) "
                                       "and the bucket policy", bad_input=True)
-            if _is(e, "NoCredentialsError", "PartialCredentialsError"):
+            if isinstance(e, (boto.NoCredentialsError, boto.PartialCredentialsError)):
                 return StoreError("no S3 credentials found; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY on the worker "
                                   "or name an Airflow connection in aws_conn_id", bad_input=True)
-            if _is(e, "EndpointConnectionError", "ConnectTimeoutError"):
+            if isinstance(e, (boto.EndpointConnectionError, boto.ConnectTimeoutError)):
                 return StoreError(f"S3 endpoint unreachable after {self.attempts} attempts ({what}): "
                                   f"{self.endpoint or 'the AWS default endpoint'}; check AWS_ENDPOINT_URL (or the "
                                   "connection's endpoint_url) and that the server is up")
-            if _is(e, "ConnectionClosedError", "ReadTimeoutError", "ResponseStreamingError", "ProtocolError",
-                   "IncompleteReadError", "ConnectionError"):
+            if isinstance(e, (boto.ConnectionClosedError, boto.ReadTimeoutError, boto.ResponseStreamingError,
+                              boto.IncompleteReadError, boto.ConnectionError, ProtocolError, ConnectionError)):
                 return StoreError(f"connection to {where} lost after {self.attempts} attempts ({what}): "
                                   f"{type(e).__name__}; nothing was committed, a retry skips what is already stored")
         return None
@@ -201,7 +200,9 @@ class S3Store:
 
     @staticmethod
     def _missing(e: BaseException) -> bool:
-        return _is(e, "ClientError") and str(e.response.get("Error", {}).get("Code")) in ("NoSuchKey", "404", "NotFound")
+        from botocore.exceptions import ClientError
+
+        return isinstance(e, ClientError) and str(e.response.get("Error", {}).get("Code")) in ("NoSuchKey", "404", "NotFound")
 
     def put_file(self, local: str | Path, key: str, sha256: str) -> None:
         self._call(f"upload {key}", self.client.upload_file, str(local), self.bucket, self._key(key),
