@@ -100,7 +100,7 @@ def lightning_loop(a) -> None:
     from training.data.synthetic import read_meta
     from training.models.build import build_model
     from training.models.loss import loss_fn, split_batch
-    from training.models.spec import model_spec
+    from training.models.spec import ModelSpec
     from training.train import lr_lambda
 
     recipe = TrainConfig(steps=a.steps, dataset_uri=a.data, checkpoint_dir="unused")
@@ -128,7 +128,7 @@ def lightning_loop(a) -> None:
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(1234)
-            self.model = build_model(model_spec(a.model, meta, hidden=a.hidden, depth=a.depth, n_heads=a.n_heads,
+            self.model = build_model(ModelSpec.for_data(a.model, meta, hidden=a.hidden, depth=a.depth, n_heads=a.n_heads,
                                                 dropout=0.0))
 
         def training_step(self, batch, _):
@@ -177,7 +177,7 @@ def bare_loop(a) -> None:
     from training.data.synthetic import read_meta
     from training.models.build import build_model
     from training.models.loss import loss_fn, split_batch
-    from training.models.spec import model_spec
+    from training.models.spec import ModelSpec
     from training.train import lr_lambda
 
     dist.init_process_group("gloo")
@@ -185,7 +185,7 @@ def bare_loop(a) -> None:
     torch.manual_seed(1234)
     meta = read_meta(a.data)
     train = load_split(a.data, "train")
-    model = DDP(build_model(model_spec(a.model, meta, hidden=a.hidden, depth=a.depth, n_heads=a.n_heads, dropout=0.0)))
+    model = DDP(build_model(ModelSpec.for_data(a.model, meta, hidden=a.hidden, depth=a.depth, n_heads=a.n_heads, dropout=0.0)))
     recipe = TrainConfig(steps=a.steps, dataset_uri=a.data, checkpoint_dir="unused")  # the trainer's default lr, weight decay, schedule, clipping
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe))

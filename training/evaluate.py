@@ -36,7 +36,8 @@ from training.metrics.steps import RunClock
 from training.results import reports
 from training.data.dataset import Dataset, open_dataset
 from training.log import logger
-from training.models.loss import loss_fn, split_batch, target_variance
+from training.models.loss import loss_fn, split_batch
+from training.models.spec import ModelSpec
 from training.data.options import DataOptions
 
 
@@ -88,11 +89,11 @@ def score(model: torch.nn.Module, kind: str, features: torch.Tensor, labels: tor
     return {"eval/loss": a / c, "eval/accuracy": b / c}
 
 
-def score_spec(model: torch.nn.Module, spec: dict[str, Any], split, **kwargs: Any) -> dict[str, float]:
-    """``score`` a model on a split (training.data.Split), as its spec says (kind, task, target)."""
+def score_spec(model: torch.nn.Module, spec: ModelSpec, split, **kwargs: Any) -> dict[str, float]:
+    """``score`` a model on a split (training.data.dataset.Split), as its spec says (kind, task, target)."""
     labels = torch.from_numpy(split.labels) if split.labels is not None else None
-    return score(model, spec["kind"], torch.from_numpy(split.features), labels, task=spec.get("task", "classification"),
-                 target_var=target_variance(spec), **kwargs)
+    return score(model, spec.kind, torch.from_numpy(split.features), labels, task=spec.task,
+                 target_var=spec.target_variance, **kwargs)
 
 
 def summary_line(res: dict[str, float]) -> str:
@@ -105,14 +106,14 @@ class Evaluator:
     the validation split (sharded, see ``score``); rank 0 logs ``eval/*`` and, the first time the
     target is reached, ``time_to_target_s`` / ``steps_to_target`` (wall time since the run's first
     attempt started training, as MLPerf counts time-to-train: evaluation included). The time it
-    takes is not training time: it is handed to ``telemetry.not_training``."""
+    takes is not training time: it is handed to ``recorder.not_training``."""
 
-    def __init__(self, cfg, info: DistInfo, model: torch.nn.Module, spec: dict[str, Any],
-                 dataset: Dataset, *, metrics_log, clock: RunClock | None, telemetry, phase) -> None:
+    def __init__(self, cfg, info: DistInfo, model: torch.nn.Module, spec: ModelSpec,
+                 dataset: Dataset, *, metrics_log, clock: RunClock | None, recorder, phase) -> None:
         self.cfg, self.info, self.spec = cfg, info, spec
         self.every = cfg.eval_every
         self.model = for_evaluation(model)
-        self.metrics_log, self.clock, self.telemetry, self.phase = metrics_log, clock, telemetry, phase
+        self.metrics_log, self.clock, self.recorder, self.phase = metrics_log, clock, recorder, phase
         self.on_eval: list[Callable[[int, dict[str, float]], None]] = []  # every rank, after each evaluation
         if self.every:
             self.validation = dataset.split("validation", spec)
@@ -120,10 +121,10 @@ class Evaluator:
     def maybe_eval(self, step: int) -> None:
         if not self.every or step % self.every:
             return
-        self.phase.now = "evaluation"
         t0 = time.perf_counter()
-        self._evaluate(step)
-        self.telemetry.not_training(time.perf_counter() - t0)
+        with self.phase("evaluation"):
+            self._evaluate(step)
+        self.recorder.not_training(time.perf_counter() - t0)
 
     def _evaluate(self, step: int) -> None:
         cfg, info = self.cfg, self.info
@@ -139,7 +140,7 @@ class Evaluator:
         if cfg.has_target and self.clock.target() is None and target_reached(
                 cfg.target_metric, res[cfg.target_metric], cfg.target_value):
             hit = self.clock.reach_target(step, time.time())
-            self.telemetry.mlflow.log_summary(hit)  # one-off figures: the run summary, not a series
+            self.recorder.mlflow.log_summary(hit)  # one-off figures: the run summary, not a series
             logger.info(f"target {cfg.target_metric} {cfg.target_value} reached at step {step} after "
                         f"{hit['time_to_target_s']:.1f}s")
 
@@ -168,8 +169,8 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
     labels = torch.from_numpy(val.labels) if val.labels is not None else None
     return {
         **figures,
-        "task": spec.get("task", "classification"),
-        "report": reports.evaluation_report(spec, model, torch.from_numpy(val.features), labels),  # training/reports.py
+        "task": spec.task,
+        "report": reports.evaluation_report(spec.task, spec.kind, model, torch.from_numpy(val.features), labels),
         "step": manifest["step"],
         "checkpoint_step_dir": local.name,
         "bayes_accuracy": meta.get("bayes_accuracy"),
@@ -180,12 +181,12 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
     }
 
 
-def _validation_for(dataset: Dataset, spec: dict[str, Any]):
+def _validation_for(dataset: Dataset, spec: ModelSpec):
     """The validation rows as the model reads them; a model of other columns is refused."""
     columns = set(dataset.table("validation").column_names)
-    missing = [c for c in spec["features"] if c not in columns]
+    missing = [c for c in spec.features if c not in columns]
     if missing:
-        raise ValueError(f"model was trained on features {spec['features']} but the dataset lacks {missing}")
+        raise ValueError(f"model was trained on features {spec.features} but the dataset lacks {missing}")
     return dataset.split("validation", spec)
 
 

@@ -1,37 +1,12 @@
-"""Training entry point: the same code by hand, under torchrun, and in a Kubernetes pod.
+"""The trainer: the same code by hand, under torchrun and in a Kubernetes pod.
 
-Launch it:
-
-    # one process (a one-rank group on 127.0.0.1)
-    python -m training train --set dataset_uri=var/data/teacher --set checkpoint_dir=var/ckpt
-
-    # checkpoints straight to S3 (AWS_* settings from the environment, never from arguments)
-    python -m training train --set dataset_uri=var/data/teacher --set checkpoint_dir=s3://bucket/runs/r1
-
-    # two ranks on this machine (gloo on CPU, nccl on GPUs); a dead rank restarts the group,
-    # which resumes from the newest checkpoint that verifies
-    GLOO_SOCKET_IFNAME=lo torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29511 \
-        --max-restarts 2 -m training train --config cfg.json --set strategy=fsdp --set precision=bf16
-
-    # Kubernetes: every pod runs torchrun with --rdzv-backend c10d (see docs/architecture.md);
-    # training/launch.py builds every one of these command lines
-
-The loop reads as intent: for each step, maybe_stop -> train_step -> telemetry -> maybe_eval ->
-maybe_check -> maybe_save; each component decides itself whether this step is its turn:
-
-    resilience.Preemption   SIGTERM: agree on a step, checkpoint it, exit 75
-    telemetry.Telemetry     steps.jsonl, log windows (MLflow, progress line), MFU, run summary
-    evaluate.Evaluator      eval/* every eval_every steps, time-to-target
-    resilience.ReplicaCheck replicas bit-identical every replica_check_every steps
-    Checkpointer every checkpoint_every steps, and the final export
-
-Parallelism is applied from outside (parallel.parallelize) and the loop never asks which
-strategy runs. Output goes through one rank-aware logger (training.log); only rank 0 logs to
-MLflow. Test and drill faults are attached by training/faults.py when a TRAINING_FAULT_* variable
-is set.
-
-Exit codes: 0 done; 2 bad config (nothing started); 75 preempted (SIGTERM): a checkpoint of the
-current step was written, run the same command again to resume.
+``run(cfg)`` checks everything that can be checked (``prepare``: the data and the model, exit 2
+on bad input) before a process group exists, then ``Trainer.fit`` resumes from the newest
+checkpoint that verifies and trains. The loop reads as intent; each component decides whether a
+step is its turn: ``Preemption`` (SIGTERM: agree on a step, checkpoint it, exit 75),
+``MetricsRecorder`` (steps.jsonl, log windows, the run summary), ``Evaluator`` (eval/* and the
+target), ``ReplicaCheck`` and ``Checkpointer``. Parallelism is applied from outside
+(``distributed.parallel``); only rank 0 logs to MLflow. See ``python -m training train --help``.
 """
 
 from __future__ import annotations
@@ -41,6 +16,7 @@ import math
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,26 +25,24 @@ import torch
 
 from training import log
 from training.checkpoint.manager import Checkpointer, TrainState
-from training.distributed import faults, parallel, precision
-from training.metrics.steps import RunClock
-from training.store import check_writable
-from training.tracking.run import OnceLogger
 from training.config.fields import ConfigError
 from training.config.train_config import TrainConfig
-from training.data.dataset import Dataset, open_dataset
+from training.data.dataset import Dataset, Split, open_dataset
+from training.data.options import DataOptions
 from training.data.sampler import ShardedSampler
-from training.evaluate import Evaluator
-from training.models.build import build_model, check_model
-from training.models.loss import loss_fn, split_batch, target_variance
-from training.models.spec import model_spec
+from training.distributed import faults, parallel, precision
 from training.distributed.launch import EXIT_PREEMPTED
 from training.distributed.resilience import Phase, Preempted, Preemption, RankRecord, ReplicaCheck
-from training.metrics.recorder import FaultReport
+from training.evaluate import Evaluator
+from training.metrics.recorder import MetricsRecorder
 from training.metrics.startup import StartupClock
-from training.metrics.recorder import Telemetry
-from training.metrics.steps import StepLog, StepResult
-from training.data.options import DataOptions
+from training.metrics.steps import RunClock, StepLog, StepResult
+from training.models.build import build_model, check_model
+from training.models.loss import loss_fn, split_batch
+from training.models.spec import ModelSpec
+from training.store import check_writable
 from training.tracking.relay import logger_for
+from training.tracking.run import OnceLogger
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "StepLog", "Trainer", "lr_lambda", "run"]
 
@@ -91,7 +65,16 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> tuple[Dataset, dict[str, Any], Any]:
+@dataclass
+class Prepared:
+    """What a run trains on, checked: the opened dataset, the model's spec and the train split."""
+
+    dataset: Dataset
+    spec: ModelSpec
+    train: Split
+
+
+def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:
     """The data and the model spec, checked: the dataset opened (S3 through the local cache; data
     that changed since the gate refused), described, its train split read, the normalization
     statistics computed once from it, and the model built and run on two rows. Raises
@@ -101,10 +84,10 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> tuple[Dataset, 
     meta = dataset.meta
     cfg.check_dataset(meta)
     train = dataset.split("train")
-    spec = model_spec(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads, dropout=cfg.dropout,
-                      model_args=cfg.model_args, train=train)
+    spec = ModelSpec.for_data(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads,
+                              dropout=cfg.dropout, model_args=cfg.model_args, train=train)
     check_model(spec, train.features[:2], strategy=cfg.strategy)
-    return dataset, spec, train
+    return Prepared(dataset=dataset, spec=spec, train=train)
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
@@ -118,14 +101,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     if not cfg.checkpoint_dir:
         raise ConfigError("checkpoint_dir", "is empty", "pass a folder, file:///folder or s3://bucket/prefix")
     check_writable(cfg.checkpoint_dir, field="checkpoint_dir")  # a missing bucket or denied keys: exit 2
-    dataset, spec, train = prepare(cfg)
+    prepared = prepare(cfg)
     startup.mark("data")
 
     info = parallel.init(cfg.collective_timeout_s)
     startup.mark("process_group")  # includes waiting for the slowest rank to arrive
     log.init(info.rank, cfg.output_dir or None)
     try:
-        return Trainer(cfg, info, spec, train, dataset, startup=startup).fit()
+        return Trainer(cfg, info, prepared, startup=startup).fit()
     finally:
         parallel.cleanup()
 
@@ -133,18 +116,18 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 class Trainer:
     """Builds the model, its optimizer and the components around the loop; ``fit`` trains."""
 
-    def __init__(self, cfg: TrainConfig, info: parallel.DistInfo, spec: dict[str, Any], train,
-                 dataset: Dataset, startup: StartupClock | None = None) -> None:
-        self.cfg, self.info, self.spec, self.kind = cfg, info, spec, spec["kind"]
-        self.task, self.target_var = spec["task"], target_variance(spec)
+    def __init__(self, cfg: TrainConfig, info: parallel.DistInfo, prepared: Prepared,
+                 startup: StartupClock | None = None) -> None:
+        spec, train = prepared.spec, prepared.train
+        self.cfg, self.info, self.spec = cfg, info, spec
         self.startup = startup or StartupClock()
         self.record = RankRecord(Path(cfg.output_dir) if cfg.output_dir else None, info.rank)
         self.phase = Phase(self.record, cfg.collective_timeout_s)
         _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
-        self.model, self.comm_timer = parallel.parallelize(build_model(self.spec), cfg, info)
+        self.model, self.comm_timer = parallel.parallelize(build_model(spec), cfg, info)
         # DDP: the fused AdamW kernel, one call per step instead of a Python loop over the
-        # parameters (0.08 ms against 0.27 ms per step for the demo's MLP on one CPU core, a
-        # seventh of its step). FSDP2's sharded parameters keep torch's default implementation.
+        # parameters (a seventh of the demo MLP's step on one CPU core). FSDP2's sharded
+        # parameters keep torch's default implementation.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            fused=True if cfg.strategy == "ddp" else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -167,21 +150,17 @@ class Trainer:
             cfg.checkpoint_dir, world_size=info.world_size, config_hash=cfg.config_hash(), use_async=cfg.async_checkpoint,
             every=cfg.checkpoint_every, last_step=cfg.steps, keep_last=cfg.retention_keep_last, metrics=self.metrics_log,
             mlflow=self.mlflow, phase=self.phase)
-        self.telemetry = Telemetry(cfg, info, self.state, comm_timer=self.comm_timer, spec=self.spec, mlflow=self.mlflow,
-                                   metrics_log=self.metrics_log, clock=clock, restarts=self.restarts, phase=self.phase)
-        self.evaluator = Evaluator(cfg, info, self.model, spec, dataset, metrics_log=self.metrics_log, clock=clock,
-                                   telemetry=self.telemetry, phase=self.phase)
+        self.recorder = MetricsRecorder(cfg, info, self.state, comm_timer=self.comm_timer, spec=spec, mlflow=self.mlflow,
+                                        metrics_log=self.metrics_log, clock=clock, restarts=self.restarts, phase=self.phase)
+        self.evaluator = Evaluator(cfg, info, self.model, spec, prepared.dataset, metrics_log=self.metrics_log,
+                                   clock=clock, recorder=self.recorder, phase=self.phase)
         self.evaluator.on_eval.append(self.checkpointer.note_eval)  # retention keeps the best by eval/loss
         self.replicas = ReplicaCheck(self.model, info, cfg.replica_check_every, self.phase)
         self.preemption = Preemption(cfg.preempt_grace_s, log_every=cfg.log_every, device=info.device,
                                      checkpointer=self.checkpointer, phase=self.phase)
-        self.telemetry.on_window.append(self.preemption.pace)
-
-        # Called with the step number; empty unless a fault report or an injected fault needs them.
-        self.after_step: list[Callable[[int], None]] = []  # after the step is recorded
-        self.before_optimizer: list[Callable[[int], None]] = []  # gradients ready, before unscaling
-        faults.install(self)
-        self.startup.mark("components")  # checkpointer, telemetry, evaluator (reads the validation split)
+        self.recorder.on_window.append(self.preemption.pace)
+        faults.install(self)  # only when a TRAINING_FAULT_* variable asks for one
+        self.startup.mark("components")  # checkpointer, recorder, evaluator (reads the validation split)
 
     def fit(self) -> dict[str, Any]:
         """Resume from the newest checkpoint that verifies (if any), train up to ``cfg.steps``,
@@ -193,12 +172,7 @@ class Trainer:
             # Fresh start, or a checkpoint from fewer ranks: per-rank streams (dropout) derived from
             # seed, step and rank, so they differ across ranks and are reproducible.
             _seed_everything(self.cfg.seed + 1 + 1000 * self.state.step + self.info.rank)
-        if resumed_from is not None and self.info.is_main:
-            report = FaultReport.after_restart(self.telemetry.out, resumed_step=self.state.step,
-                                               restarts=self.restarts, mlflow=self.mlflow)
-            if report is not None:
-                self.after_step.insert(0, report)  # before an injected fault of the same step
-        self.telemetry.start(resumed_from)
+        self.recorder.start(resumed_from)
         self.startup.mark("telemetry")  # params logged, peak FLOP/s, system metrics started
         if self.info.is_main:
             log.logger.info(self.startup.line())
@@ -206,12 +180,13 @@ class Trainer:
         self.preemption.arm()
         try:
             with self.phase.names_failures(self.info, lambda: self.state.step):
-                self._loop()
-                self.phase.now = "final export"
-                self.preemption.drain()
-                final_uri = self.checkpointer.finalize(self.state, self.model, self.spec)
+                with self.phase("training"):
+                    self._loop()
+                with self.phase("final export"):
+                    self.preemption.drain()
+                    final_uri = self.checkpointer.finalize(self.state, self.model, self.spec)
         finally:
-            self.telemetry.close()
+            self.recorder.close()
         return self._summary(final_uri, resumed_from, wall_start)
 
     def _loop(self) -> None:
@@ -222,10 +197,8 @@ class Trainer:
             self.state.step += 1
             step = self.state.step
             self.record.beat(step)
-            self.telemetry.record(step, result)
-            for hook in self.after_step:
-                hook(step)
-            self.telemetry.maybe_log(step)
+            self.recorder.record(step, result)
+            self.recorder.maybe_log(step)
             self.evaluator.maybe_eval(step)
             self.replicas.maybe_check(step)
             self.checkpointer.maybe_save(self.state, step)
@@ -233,12 +206,12 @@ class Trainer:
     def _train_step(self) -> StepResult:
         """One optimizer step over this rank's share of the global batch, in ``grad_accum``
         micro-batches of which only the last communicates."""
-        cfg, info, phase = self.cfg, self.info, self.phase
+        cfg, info, phase, spec = self.cfg, self.info, self.phase, self.spec
         t0 = time.perf_counter()
-        phase.now = "data"
-        idx = torch.from_numpy(self.sampler.next_indices())
-        x_all = self.features[idx].to(info.device, non_blocking=True)
-        y_all = self.labels[idx].to(info.device, non_blocking=True) if self.labels is not None else None
+        with phase("data"):
+            idx = torch.from_numpy(self.sampler.next_indices())
+            x_all = self.features[idx].to(info.device, non_blocking=True)
+            y_all = self.labels[idx].to(info.device, non_blocking=True) if self.labels is not None else None
         data_s = time.perf_counter() - t0
 
         self.optimizer.zero_grad(set_to_none=True)
@@ -249,28 +222,27 @@ class Trainer:
             last = m == cfg.grad_accum - 1
             xb = x_all[m * micro : (m + 1) * micro]
             yb = y_all[m * micro : (m + 1) * micro] if y_all is not None else None
-            inputs, target = split_batch(self.kind, xb, yb)
-            phase.now = "forward/backward" + ("" if last else " (accumulation, no communication)")
-            with parallel.gradient_sync(self.model, last):
-                with precision.autocast(cfg.precision, cfg.strategy, info.device):
-                    loss = loss_fn(self.model(inputs), target, task=self.task, target_var=self.target_var) / cfg.grad_accum
-                self.scaler.scale(loss).backward()
+            inputs, target = split_batch(spec.kind, xb, yb)
+            with phase("forward/backward" if last else "forward/backward (accumulation, no communication)"):
+                with parallel.gradient_sync(self.model, last):
+                    with precision.autocast(cfg.precision, cfg.strategy, info.device):
+                        loss = loss_fn(self.model(inputs), target, task=spec.task,
+                                       target_var=spec.target_variance) / cfg.grad_accum
+                    self.scaler.scale(loss).backward()
             if last:  # backward returned after the gradient collectives completed
                 exposed = self.comm_timer.backward_done()
             loss_sum += loss.detach()
 
-        phase.now = "optimizer step"
-        for hook in self.before_optimizer:
-            hook(self.state.step + 1)
-        self.scaler.unscale_(self.optimizer)
-        # Without clipping the norm is only logged: measured at log steps (telemetry).
-        grad_norm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                     if cfg.grad_clip > 0 else None)
-        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        skipped = scale_before is not None and self.scaler.get_scale() < scale_before
-        self.scheduler.step()
+        with phase("optimizer step"):
+            self.scaler.unscale_(self.optimizer)
+            # Without clipping the norm is only logged: measured at log steps (the recorder).
+            grad_norm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                         if cfg.grad_clip > 0 else None)
+            scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = scale_before is not None and self.scaler.get_scale() < scale_before
+            self.scheduler.step()
         comm = self.comm_timer.pop_step()
         return StepResult(loss=loss_sum, grad_norm=grad_norm, skipped=skipped, seconds=time.perf_counter() - t0,
                           data_s=data_s, exposed=exposed, comm=comm)
@@ -278,7 +250,7 @@ class Trainer:
     def _summary(self, final_uri: str, resumed_from: str | None, wall_start: float) -> dict[str, Any]:
         """Collective. The run summary every rank returns; rank 0 also tags the MLflow run with the
         final checkpoint and writes ``output_dir/train_summary.json``."""
-        cfg, info, tel = self.cfg, self.info, self.telemetry
+        cfg, info, tel = self.cfg, self.info, self.recorder
         run_summary = tel.run_summary(self.state.step)
         summary = {
             "final_step": self.state.step,

@@ -151,9 +151,9 @@ def check_model(params: dict[str, Any], cfg: Any, data: Any) -> None:
     from training.results.registry import gate_metric
     from training.train import prepare
 
-    _, spec, _ = prepare(cfg, data)
-    gate_metric(params.get("gate_metric", "auto"), spec["task"])
-    log.info("model %s checked on two rows: %s, %s", cfg.model, spec["kind"], spec["task"])
+    spec = prepare(cfg, data).spec
+    gate_metric(params.get("gate_metric", "auto"), spec.task)
+    log.info("model %s checked on two rows: %s, %s", cfg.model, spec.kind, spec.task)
 
 
 def dataset_from_events(triggering_asset_events: Any) -> str | None:

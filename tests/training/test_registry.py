@@ -18,7 +18,7 @@ from training.data.dataset import load_split
 from training.data.synthetic import make_teacher_dataset, read_meta
 from training.evaluate import example_inputs, score_folder
 from training.models.build import build_model
-from training.models.spec import model_spec
+from training.models.spec import ModelSpec
 from training.tracking.run import RunLogger, open_run
 from training.data.gate import fingerprint
 
@@ -26,7 +26,7 @@ from training.data.gate import fingerprint
 def _export(folder, dataset, *, seed: int, train_steps: int):
     """A model folder as the trainer writes it; ``train_steps=0`` leaves the random init."""
     torch.manual_seed(seed)
-    spec = model_spec("mlp", read_meta(dataset), hidden=32, depth=2)
+    spec = ModelSpec.for_data("mlp", read_meta(dataset), hidden=32, depth=2)
     model = build_model(spec)
     if train_steps:
         data = load_split(dataset, "train")
@@ -40,7 +40,7 @@ def _export(folder, dataset, *, seed: int, train_steps: int):
             opt.step()
     folder.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
-    (folder / "model_config.json").write_text(json.dumps(spec))
+    (folder / "model_config.json").write_text(json.dumps(spec.to_json()))
     return folder
 
 

@@ -121,12 +121,12 @@ def test_a_regression_output_must_be_one_number_per_row(user_code, tables):
 def test_the_factory_gets_the_spec_and_model_args_untouched(user_code, tables, tmp_path, monkeypatch):
     monkeypatch.setenv("SEEN_SPEC", str(tmp_path / "spec.json"))
     args = {"width": 8, "layers": [4, 2], "act": {"name": "gelu"}}
-    _, spec, _ = prepare(_cfg(tables, model="team_models:seen", model_args=args))
+    prepare(_cfg(tables, model="team_models:seen", model_args=args))
     seen = json.loads((tmp_path / "spec.json").read_text())
     assert seen["model_args"] == args
     assert (seen["kind"], seen["task"], seen["in_features"], seen["n_classes"]) == ("tabular", "classification", 4, 4)
     assert seen["features"] == ["x0", "x1", "x2", "x3"] and seen["classes"] == [0, 1, 2, 3]
-    _, spec, _ = prepare(_cfg(tables, "numbers", model="team_models:seen"))
+    prepare(_cfg(tables, "numbers", model="team_models:seen"))
     seen = json.loads((tmp_path / "spec.json").read_text())
     assert (seen["task"], seen["n_classes"]) == ("regression", 1)
     assert set(seen["target"]) == {"mean", "std"} and len(seen["normalization"]["mean"]) == 4

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from training.models.spec import ModelSpec
 from training.util import atomic_write
 
 
@@ -18,7 +18,7 @@ MODEL_FILE = "model.safetensors"
 MODEL_CONFIG_FILE = "model_config.json"
 
 
-def export_model(model, path: str | Path, spec: dict[str, Any]) -> None:
+def export_model(model, path: str | Path, spec: ModelSpec) -> None:
     """Collective: consolidate the full model on rank 0 and write safetensors + its config."""
     from safetensors.torch import save_file
 
@@ -29,7 +29,7 @@ def export_model(model, path: str | Path, spec: dict[str, Any]) -> None:
         tmp = path / (MODEL_FILE + ".tmp")
         save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
         os.replace(tmp, path / MODEL_FILE)
-        atomic_write(path / MODEL_CONFIG_FILE, json.dumps(spec, indent=2) + "\n")
+        atomic_write(path / MODEL_CONFIG_FILE, json.dumps(spec.to_json(), indent=2) + "\n")
     dist.barrier()
 
 
@@ -40,7 +40,7 @@ def load_exported(path: str | Path):
     from training.models.build import build_model
 
     path = Path(path)
-    spec = json.loads((path / MODEL_CONFIG_FILE).read_text())
+    spec = ModelSpec.from_json(json.loads((path / MODEL_CONFIG_FILE).read_text()))
     model = build_model(spec)
     model.load_state_dict(load_file(str(path / MODEL_FILE)))
     return model, spec

@@ -46,7 +46,9 @@ from training.checkpoint.commit import Candidate, CheckpointCorrupt, Location, s
 from training.checkpoint.dcp_io import METADATA, StoreWriter, VerifiedReader, describe, failures, not_committed, rng_file
 from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, export_model
 from training.checkpoint.retention import retain, write_eval
+from training.distributed.resilience import Phase
 from training.log import logger
+from training.models.spec import ModelSpec
 from training.store import StoreError, open_store
 from training.tracking.run import NullLogger
 
@@ -141,7 +143,7 @@ class Checkpointer:
         self.every, self.last_step, self.keep_last = every, last_step, keep_last
         self.metrics = metrics if metrics is not None else NullLogger()
         self.mlflow = mlflow if mlflow is not None else NullLogger()
-        self.phase = phase
+        self.phase = phase if phase is not None else Phase()
         self.rank = dist.get_rank()
         self.pending: tuple[Any, StoreWriter, int] | None = None
         self.group = dist.new_group(backend="gloo") if use_async else None
@@ -228,14 +230,13 @@ class Checkpointer:
         self.poll()
         if not self.every or step % self.every or (self.last_step is not None and step >= self.last_step):
             return
-        if self.phase is not None:
-            self.phase.now = f"checkpoint save at step {step}"
-        blocked = self.save(state)
+        with self.phase(f"checkpoint save at step {step}"):
+            blocked = self.save(state)
         logger.info(f"checkpoint step {step}: training blocked {blocked:.4f}s ({'async' if self.use_async else 'sync'})")
         self.metrics.log_metrics({"ckpt/blocking_s": blocked}, step=step)
         self.saved_step = step
 
-    def finalize(self, state: TrainState, model, spec: dict[str, Any]) -> str:
+    def finalize(self, state: TrainState, model, spec: ModelSpec) -> str:
         """Collective: the final checkpoint of ``state.step`` with the portable model, unless that
         step was saved already. Returns its URI."""
         self.wait()
@@ -313,13 +314,12 @@ class Checkpointer:
             return
         future, writer, step = self.pending
         self.pending = None
-        if self.phase is not None:
-            self.phase.now = f"checkpoint save of step {step} (async)"
-        try:
-            future.result()
-        except CheckpointException as e:
-            raise not_committed(self.loc.uri(writer.step_dir), e) from None
-        self._committed(writer, step)
+        with self.phase(f"checkpoint save of step {step} (async)"):
+            try:
+                future.result()
+            except CheckpointException as e:
+                raise not_committed(self.loc.uri(writer.step_dir), e) from None
+            self._committed(writer, step)
 
 
 def _from_rank0(walk: Any) -> Any:

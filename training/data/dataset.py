@@ -1,17 +1,8 @@
-"""The rows training reads: ``open_dataset`` (a dataset_uri's layout, description and splits as
-arrays) and a resumable, deterministic, rank-sharded sampler.
-
-``Dataset.split(name, spec)`` gives a split's features (float32 ``[n, d]``; int64 token sequences)
-and labels (class indices for classification, mapped through the description's ``classes`` when
-they are not 0..C-1; float32 targets for regression; none for tokens), the columns and classes
-as the model spec (or, without one, the dataset's description) names them.
-
-The sampler treats training data as an endless stream of epochs, each a fresh permutation
-seeded by ``(seed, epoch)``. Its whole state is one integer, the global sample position ``pos``;
-``(epoch, offset) = divmod(pos, n)``. Step ``s`` takes the global positions
-``[s * B, (s + 1) * B)`` and rank ``r`` of ``W`` takes the ``r``-th contiguous ``B / W`` of them.
-So across ranks every sample is seen exactly once per epoch, a batch may straddle an epoch
-boundary instead of dropping a tail, and resuming at ``pos`` reproduces the same order exactly.
+"""The arrays training reads: ``open_dataset`` opens a ``dataset_uri`` (its layout, description and
+splits, each read once) and ``Dataset.split(name, spec)`` gives a split's features (float32
+``[n, d]``; int64 token sequences) and labels (class indices, mapped through ``classes`` when they
+are not 0..C-1; float32 targets for regression; none for tokens) for the columns the model spec
+names, or without one the dataset's description. Data that changed since the gate is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +18,18 @@ from training.data.schema import DatasetSchema, declares_schema, describe, infer
 from training.data.options import DataOptions
 from training.data.sources import TABLE, Layout, discover, read_files
 from training.data.split import validation_rows
+
+
+@dataclass(frozen=True)
+class Columns:
+    """What to read of a table: the feature columns (int64 for token ids, else float32), the label,
+    and how its values map to targets (classes by index, a regression label as it is)."""
+
+    features: list[str]
+    label: str | None
+    task: str
+    classes: list[Any] | None
+    integer_features: bool
 
 
 @dataclass
@@ -84,36 +87,41 @@ class Dataset:
         declared = self.declared_schema()
         return declared if declared is not None else infer_schema(self.table("train"), self.meta, self.train_profile())
 
-    def split(self, name: str, spec: Mapping[str, Any] | None = None, *, limit: int | None = None) -> Split:
-        """Arrays of split ``name`` for the columns and classes ``spec`` (a model spec) names;
-        without one, the dataset's description. ``limit``: the first rows only."""
+    def columns(self, spec: Any = None) -> Columns:
+        """What to read for a model (a training.models.spec.ModelSpec) or, without one, what the
+        dataset's description names."""
+        meta = self.meta
+        described = Columns(features=list(meta["features"]), label=meta.get("label"),
+                            task=meta.get("task", "classification"), classes=meta.get("classes"),
+                            integer_features=meta.get("feature_dtype") == "int")
+        if spec is None:
+            return described
+        if spec.label_from_data:  # a model_config.json written before the spec named its label and task
+            return Columns(features=list(spec.features), label=described.label, task=described.task,
+                           classes=spec.classes, integer_features=described.integer_features)
+        return Columns(features=list(spec.features), label=spec.label, task=spec.task, classes=spec.classes,
+                       integer_features=spec.kind == "tokens")
+
+    def split(self, name: str, spec: Any = None, *, limit: int | None = None) -> Split:
+        """Arrays of split ``name`` as ``columns(spec)`` says; ``limit``: the first rows only."""
         table = self.table(name)
         if limit is not None:
             table = table.slice(0, limit)
-        return to_arrays(table, dict(self.meta) if spec is None else {**_fallback(self, spec), **spec})
+        return to_arrays(table, self.columns(spec))
 
 
-def _fallback(ds: Dataset, spec: Mapping[str, Any]) -> dict[str, Any]:
-    """A model spec written before it named its label and task (make-data datasets only)."""
-    if "label" in spec and "task" in spec:
-        return {}
-    meta = ds.meta
-    return {"label": meta.get("label"), "task": meta.get("task", "classification"), "kind": meta["kind"],
-            "feature_dtype": meta.get("feature_dtype", "float")}
-
-
-def to_arrays(table, d: Mapping[str, Any]) -> Split:
+def to_arrays(table, c: Columns) -> Split:
     """``table``'s columns as the model reads them (see the module docstring)."""
-    dtype = np.int64 if d.get("feature_dtype") == "int" else np.float32
-    cols = [_to_numpy(table.column(c)) for c in d["features"]]
+    dtype = np.int64 if c.integer_features else np.float32
+    cols = [_to_numpy(table.column(name)) for name in c.features]
     x = np.stack(cols, axis=1).astype(dtype) if cols else np.empty((table.num_rows, 0), dtype=dtype)
-    label = d.get("label")
+    label = c.label
     if not label:
         return Split(features=x, labels=None)
     y = _to_numpy(table.column(label))
-    if d.get("task") == "regression":
+    if c.task == "regression":
         return Split(features=x, labels=y.astype(np.float32))
-    classes = d.get("classes")
+    classes = c.classes
     if classes is None:
         return Split(features=x, labels=y.astype(np.int64))
     known = np.asarray(classes)
@@ -137,7 +145,7 @@ def open_dataset(uri: str | Path, options: DataOptions | None = None, *, env: Ma
     return ds
 
 
-def load_split(root: str | Path | Dataset, split: str, spec: Mapping[str, Any] | None = None) -> Split:
+def load_split(root: str | Path | Dataset, split: str, spec: Any = None) -> Split:
     """Split ``split`` of a dataset (a Dataset, or a folder opened with the default options)."""
     ds = root if isinstance(root, Dataset) else open_dataset(root)
     return ds.split(split, spec)

@@ -1,6 +1,5 @@
 """Fault injection for tests and chaos drills, installed only when a ``TRAINING_FAULT_*`` variable
-is set. The environment, never the config, so that a config file can't carry a fault into
-production by accident. With none set ``install`` attaches nothing and training runs no fault code.
+is set: the environment, never the config, so a config file cannot carry a fault into production.
 
     TRAINING_FAULT_KILL_AT_STEP=STEP:RANK  that rank SIGKILLs itself after STEP, first attempt only
     TRAINING_FAULT_HANG_AT_STEP=STEP:RANK  that rank stops responding after STEP, first attempt only
@@ -38,22 +37,40 @@ def _step_rank(name: str) -> tuple[int, int] | None:
 
 
 def install(trainer) -> None:
-    """Attach the faults the environment asks for to ``trainer``: its ``after_step`` and
-    ``before_optimizer`` hooks (called with the number of the step just done / being done) and
-    its comm timer's delay."""
+    """Attach the faults the environment asks for to ``trainer``, by wrapping what it calls anyway:
+    kill and hang after its step record (``recorder.record``), an inf gradient before unscaling
+    (``scaler.unscale_``), a slower network in its comm timer. With none set nothing is wrapped,
+    so the training loop holds no fault code at all."""
     rank, first_attempt = trainer.info.rank, trainer.restarts == 0
     kill = _step_rank("TRAINING_FAULT_KILL_AT_STEP")
     if kill and first_attempt and kill[1] == rank:
-        trainer.after_step.append(functools.partial(_kill_after, kill[0], rank))
+        _after_step(trainer, functools.partial(_kill_after, kill[0], rank))
     hang = _step_rank("TRAINING_FAULT_HANG_AT_STEP")
     if hang and first_attempt and hang[1] == rank:
-        trainer.after_step.append(functools.partial(_hang_after, hang[0], rank))
+        _after_step(trainer, functools.partial(_hang_after, hang[0], rank))
     inf = _env("TRAINING_FAULT_INF_GRAD_AT_STEP")
     if inf:
-        trainer.before_optimizer.append(functools.partial(_inf_gradient_at, int(inf), trainer.model))
+        unscale = trainer.scaler.unscale_
+
+        def inf_gradient_then_unscale(optimizer, at: int = int(inf)) -> None:
+            _inf_gradient_at(at, trainer.model, trainer.state.step + 1)  # the step being done
+            unscale(optimizer)
+
+        trainer.scaler.unscale_ = inf_gradient_then_unscale
     delay_ms = _env("TRAINING_FAULT_COMM_DELAY_MS")
     if delay_ms:
         trainer.comm_timer.delay_s = float(delay_ms) / 1000
+
+
+def _after_step(trainer, hook) -> None:
+    """Call ``hook(step)`` once each step is recorded (the step's record is on disk before a kill)."""
+    record = trainer.recorder.record
+
+    def record_then(step: int, result) -> None:
+        record(step, result)
+        hook(step)
+
+    trainer.recorder.record = record_then
 
 
 def _kill_after(at: int, rank: int, step: int) -> None:

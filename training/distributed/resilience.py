@@ -95,7 +95,9 @@ class RankRecord:
 
 
 class Phase:
-    """What this rank is doing now; components set ``now`` before work that can fail or hang."""
+    """What this rank is doing now, named by the components around work that can fail or hang:
+    ``with phase("evaluation"): ...``. Leaving a phase returns to the enclosing one; a failure inside
+    leaves it named, so ``names_failures`` says where the rank was (a timeout alone says only "timed out")."""
 
     # gloo: "Timed out waiting 5000ms for recv ...", "Application timeout caused pair closure";
     # NCCL: "Watchdog caught collective operation timeout".
@@ -105,6 +107,20 @@ class Phase:
         self.now = "setup"
         self.record = record
         self.collective_timeout_s = collective_timeout_s
+        self._outer: list[str] = []
+
+    def __call__(self, name: str) -> "Phase":
+        self._outer.append(self.now)
+        self.now = name
+        return self
+
+    def __enter__(self) -> "Phase":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        outer = self._outer.pop()
+        if exc_type is None:  # a failure keeps its phase named for the error
+            self.now = outer
 
     @contextlib.contextmanager
     def names_failures(self, info: DistInfo, step: Callable[[], int]):
@@ -168,12 +184,12 @@ class Preemption:
 
     def maybe_stop(self, state) -> None:
         """Before a step: once every rank knows of a SIGTERM, checkpoint this step and raise Preempted."""
-        self.phase.now = "preemption check"
-        if state.step % self.every or not self._agreed():
-            return
-        self.drain()
-        self.checkpointer.save(state, final=True)
-        raise Preempted(state.step)
+        with self.phase("preemption check"):
+            if state.step % self.every or not self._agreed():
+                return
+            self.drain()
+            self.checkpointer.save(state, final=True)
+            raise Preempted(state.step)
 
     def _agreed(self) -> bool:
         """True on every rank, at the same check, once any rank got SIGTERM before the previous check."""
@@ -202,12 +218,12 @@ class ReplicaCheck:
     def maybe_check(self, step: int) -> None:
         if not self.every or step % self.every:
             return
-        self.phase.now = "replica check"
-        digest = weights_digest(self.model)
-        digests: list[Any] = [None] * self.info.world_size
-        dist.all_gather_object(digests, digest)
-        if len(set(digests)) != 1:
-            raise RuntimeError(f"replica check at step {step}: weights differ across ranks: {digests}")
+        with self.phase("replica check"):
+            digest = weights_digest(self.model)
+            digests: list[Any] = [None] * self.info.world_size
+            dist.all_gather_object(digests, digest)
+            if len(set(digests)) != 1:
+                raise RuntimeError(f"replica check at step {step}: weights differ across ranks: {digests}")
         logger.info(f"replica check step {step}: identical on {self.info.world_size} ranks sha256={digest[:16]}")
 
 

@@ -9,20 +9,20 @@ from typing import Any
 from training.config.train_config import higher_is_better
 
 
-def flops_per_sample(spec: dict[str, Any], n_params: int) -> float:
+def flops_per_sample(spec: Any, n_params: int) -> float:
     """Training FLOPs per sample (forward + backward = 3x forward), the usual 6*N*tokens rule for the
     transformer plus attention (12 * layers * seq * d per token), 6*N for the dense models
     (the CNN's conv FLOPs are counted from its output map size). A user's model is counted by the
     parameter rule (per token for tokens): exact for dense layers, an undercount for convolutions."""
-    if spec["model"] == "transformer":
-        t = spec["seq_len"]
-        return 6.0 * n_params * t + 12.0 * spec["n_layers"] * t * t * spec["d_model"]
-    if spec["model"] == "cnn":
-        c, h, w = spec["image_shape"]
+    if spec.model == "transformer":
+        t = spec.seq_len
+        return 6.0 * n_params * t + 12.0 * spec.arch["n_layers"] * t * t * spec.arch["d_model"]
+    if spec.model == "cnn":
+        c, h, w = spec.image_shape
         conv = 2 * (h * w * 32 * c * 9) + 2 * (h * w * 64 * 32 * 9)
         return 3.0 * conv + 6.0 * n_params
-    if spec["kind"] == "tokens":  # a user's model over tokens: the parameter rule per token
-        return 6.0 * n_params * spec["seq_len"]
+    if spec.kind == "tokens":  # a user's model over tokens: the parameter rule per token
+        return 6.0 * n_params * spec.seq_len
     return 6.0 * n_params
 
 

@@ -22,7 +22,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from training.distributed.comm import CommTimer
 from training.distributed.parallel import DistInfo, full_tensor, local_state_bytes
 from training.metrics.formulas import lineage_summary
 from training.metrics.peak import peak_flops, peak_memory_bytes
+from training.models.spec import ModelSpec
 from training.metrics.steps import EtaSmoother, RunClock, StepLog, StepResult, Window
 from training.tracking.system import start_system_metrics
 from training.config.fields import mlflow_record
@@ -46,7 +47,7 @@ WARMUP_SUMMARY = ("perf/step_s", "perf/samples_per_s", "comm/s_per_step", "comm/
 PROGRESS_EVERY_S = 5.0  # the progress tag is a write to the tracking store: not every window
 
 
-class Telemetry:
+class MetricsRecorder:
     """The trainer's reporting, one instance per rank. Only rank 0 writes ``steps.jsonl``, logs to
     MLflow (``mlflow`` is a NullLogger elsewhere) and prints (training.log); every rank takes part
     in the window's all-reduces and the summary's all-gather.
@@ -55,7 +56,7 @@ class Telemetry:
     itself by ``perf/step_s``)."""
 
     def __init__(self, cfg, info: DistInfo, state, *, comm_timer: CommTimer,
-                 spec: dict[str, Any], mlflow, metrics_log, clock: RunClock | None, restarts: int,
+                 spec: ModelSpec, mlflow, metrics_log, clock: RunClock | None, restarts: int,
                  phase) -> None:
         self.cfg, self.info, self.state, self.comm_timer, self.spec = cfg, info, state, comm_timer, spec
         self.mlflow, self.metrics_log, self.clock, self.restarts, self.phase = mlflow, metrics_log, clock, restarts, phase
@@ -71,6 +72,7 @@ class Telemetry:
         self.last_loss: float | None = None
         self.peak_flops = float("nan")
         self.step_log: StepLog | None = None
+        self.fault_report: FaultReport | None = None
         self.system_metrics = None
         self.window: Window | None = None
         self._grad_norm: torch.Tensor | None = None
@@ -82,10 +84,14 @@ class Telemetry:
 
     def start(self, resumed_from: str | None) -> None:
         """Say what runs (and log the params on a fresh start), find the MFU peak, start MLflow's
-        system metrics, open ``steps.jsonl`` and the first window."""
+        system metrics, open ``steps.jsonl`` and the first window. After a restart, rank 0 reports
+        what the failure cost once this attempt's first step is done (``FaultReport``)."""
         self._announce(resumed_from)
         self.peak_flops = self._peak_flops()
         if self.info.is_main:
+            if resumed_from is not None:
+                self.fault_report = FaultReport.after_restart(self.out, resumed_step=self.state.step,
+                                                              restarts=self.restarts, mlflow=self.mlflow)
             self.system_metrics = start_system_metrics(self.mlflow.run_id)
             if self.out:
                 self.step_log = StepLog(self.out, lag=1 if self.info.device.type == "cuda" else 0)
@@ -151,13 +157,15 @@ class Telemetry:
                                "world": self.info.world_size}, r.loss)
         if self.steps_done == 1:  # optimizer state exists from the first step on
             self._log_state_bytes(step)
+            if self.fault_report is not None:
+                self.fault_report(step)
 
     def maybe_log(self, step: int) -> None:
         """At every ``log_every``-th and the last step: close the window, log it, print progress."""
         if step % self.cfg.log_every and step != self.cfg.steps:
             return
-        self.phase.now = "metrics all-reduce"
-        stats = self._window_stats()
+        with self.phase("metrics all-reduce"):
+            stats = self._window_stats()
         self.last_loss = stats["train/loss"]
         self.first_loss = self.last_loss if self.first_loss is None else self.first_loss
         self.windows += 1
@@ -212,8 +220,8 @@ class Telemetry:
             "perf/samples_per_s": cfg.batch_size / step_s,
             "perf/data_wait_s": data_sum / w.steps,
         }
-        if self.spec["kind"] == "tokens":
-            stats["perf/tokens_per_s"] = cfg.batch_size * self.spec["seq_len"] / step_s
+        if self.spec.kind == "tokens":
+            stats["perf/tokens_per_s"] = cfg.batch_size * self.spec.seq_len / step_s
         stats["perf/mfu"] = self.flops_per_sample * stats["perf/samples_per_s"] / (self.peak_flops * info.world_size)
         if self.comm_timer.timed and w.comm is not None and w.comm.collectives:  # see CommTimer
             stats.update(self._comm_stats(w, comm_sum / w.steps, exposed_sum / w.steps, step_s))
@@ -299,7 +307,6 @@ class FaultReport:
 
     def __init__(self, failed_at: float, metrics: dict[str, float], mlflow) -> None:
         self.failed_at, self.metrics, self.mlflow = failed_at, metrics, mlflow
-        self.done = False
 
     @classmethod
     def after_restart(cls, out: Path | None, *, resumed_step: int, restarts: int, mlflow) -> FaultReport | None:
@@ -313,7 +320,4 @@ class FaultReport:
                    mlflow)
 
     def __call__(self, step: int) -> None:
-        if self.done:
-            return
-        self.done = True
         self.mlflow.log_metrics({**self.metrics, "fault/recovery_s": time.time() - self.failed_at}, step=step)

@@ -137,7 +137,7 @@ class StepLog:
 
 @dataclass
 class StepResult:
-    """What one training step hands to telemetry."""
+    """What one training step hands to the metrics recorder."""
 
     loss: torch.Tensor  # the step's loss (mean over the global batch share), on the device
     grad_norm: torch.Tensor | None  # when clipping measured it; else measured at log steps

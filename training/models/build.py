@@ -1,32 +1,15 @@
-"""Models: the built-in families and users' own, built from one JSON spec (``model_config.json``).
-
-``model`` is a built-in family (``mlp``, ``cnn``, ``transformer``) or a factory path
-``package.module:function`` importable where the model is built (the ranks, the pods, the Airflow
-worker's pre-launch check, ``evaluate`` and the registry's re-scoring of a champion). The
-factory gets one dict, the model spec (``model_spec``), with at least ``kind``, ``task``,
-``features`` and, by kind, ``in_features`` + ``n_classes`` (tables; 1 output for regression),
-``image_shape`` + ``n_classes`` (images), ``vocab_size`` + ``seq_len`` (tokens), plus the user's
-``model_args`` passed through untouched, and returns an ``nn.Module`` mapping a batch to logits or
-predictions. Parallelism is applied from outside (distributed.py); a module may name the sub-modules
-FSDP shards one by one in an ``fsdp_units`` attribute (modules or their dotted names), else each
-direct child that holds parameters is one.
-
-Tables are standardized (``normalize``: train's mean/std per feature) and regression targets
-scaled (train's mean/std of the label) by ``Tabular``, a wrapper around the model whose buffers hold
-those statistics: they travel in every checkpoint and in ``model.safetensors``, and the registered
-model applies them itself, so it takes raw feature values and predicts in the label's units.
-
-``loss_fn``: cross-entropy over classes (the shifted sequence for tokens); for regression the mean
-squared error in units of the train label's variance (standardized target), so ``train/loss`` and
-``eval/loss`` read as the share of the label's variance left unexplained.
-
-``check_model`` builds the model and runs two rows through it before any rank starts; a factory that
-cannot be imported, raises, returns no ``nn.Module``, or gives outputs of the wrong shape for the
-task is refused (``ConfigError`` naming ``model``, the factory path and the error).
+"""Building a model from its ``ModelSpec``: a built-in family or the user's factory
+(``package.module:function``, imported where the model is built: the ranks, the pods, the Airflow
+worker's pre-launch check, evaluation and the registry), which gets the spec's JSON as a dict and
+returns an ``nn.Module``. A table's model is wrapped in ``Tabular``, which standardizes features and
+scales a regression output with train's statistics (buffers: they travel with the weights).
+Parallelism is applied from outside; ``shard_units`` names what FSDP shards one by one.
+``check_model`` runs two rows through it before any rank starts; ``ConfigError`` names ``model``.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 from typing import Any, Callable
 
@@ -37,7 +20,7 @@ from torch import nn
 
 from training.config.fields import ConfigError
 from training.models.builtin import CNN, MLP, Transformer
-from training.models.spec import FACTORY_RE
+from training.models.spec import ModelSpec
 
 
 class Tabular(nn.Module):
@@ -91,48 +74,35 @@ def factory(path: str) -> Callable[[dict[str, Any]], nn.Module]:
     return fn
 
 
-def _build_inner(spec: dict[str, Any]) -> nn.Module:
-    name = spec["model"]
-    if name == "mlp":
-        return MLP(in_features=spec["in_features"], n_classes=spec["n_classes"], hidden=spec["hidden"], depth=spec["depth"])
-    if name == "cnn":
-        return CNN(image_shape=spec["image_shape"], n_classes=spec["n_classes"], hidden=spec["hidden"], scale=spec["scale"])
-    if name == "transformer":
-        return Transformer(vocab_size=spec["vocab_size"], seq_len=spec["seq_len"], d_model=spec["d_model"],
-                           n_layers=spec["n_layers"], n_heads=spec["n_heads"], dropout=spec["dropout"])
-    if FACTORY_RE.match(str(name)):
-        import copy
-
-        model = factory(name)(copy.deepcopy(spec))  # the user's function may keep or change its dict
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"returned a {type(model).__name__}, not a torch.nn.Module")
-        return model
-    raise ValueError(f"unknown model {name!r} in model config")
+def _build_inner(spec: ModelSpec) -> nn.Module:
+    a = spec.arch
+    if spec.model == "mlp":
+        return MLP(in_features=spec.in_features, n_classes=spec.n_classes, hidden=a["hidden"], depth=a["depth"])
+    if spec.model == "cnn":
+        return CNN(image_shape=spec.image_shape, n_classes=spec.n_classes, hidden=a["hidden"], scale=a["scale"])
+    if spec.model == "transformer":
+        return Transformer(vocab_size=spec.vocab_size, seq_len=spec.seq_len, d_model=a["d_model"],
+                           n_layers=a["n_layers"], n_heads=a["n_heads"], dropout=a["dropout"])
+    model = factory(spec.model)(copy.deepcopy(spec.to_json()))  # the user's function may keep or change its dict
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
-def build_model(spec: dict[str, Any]) -> nn.Module:
+def build_model(spec: ModelSpec) -> nn.Module:
     """The model ``spec`` describes, with the data transform of a table inside (``Tabular``)."""
     model = _build_inner(spec)
-    norm, target = spec.get("normalization"), spec.get("target")
+    norm, target = spec.normalization, spec.target
     if norm is None and target is None:
         return model
     return Tabular(model, mean=norm and norm["mean"], std=norm and norm["std"], target=target)
 
 
-def expected_output(spec: dict[str, Any], batch: int) -> tuple[int, ...]:
-    """The output shape of a batch, by kind and task (after ``Tabular``)."""
-    if spec["kind"] == "tokens":
-        return (batch, spec["seq_len"], spec["vocab_size"])
-    if spec.get("task") == "regression":
-        return (batch,)
-    return (batch, spec["n_classes"])
-
-
-def check_model(spec: dict[str, Any], example: np.ndarray, *, strategy: str = "ddp") -> None:
+def check_model(spec: ModelSpec, example: np.ndarray, *, strategy: str = "ddp") -> None:
     """Build the model and run ``example`` (a few rows of model input) through it; ConfigError
     naming ``model`` with the factory path and the error when that fails or the output does not
     fit the task. With fsdp, every ``fsdp_units`` entry must be a sub-module of the model."""
-    name = spec["model"]
+    name = spec.model
     fix = ("make the factory importable where the model is built (PYTHONPATH, or the training image), return a "
            "torch.nn.Module built from the spec dict, and give one output per class (tables, images: [batch, "
            "n_classes]; regression: [batch, 1]; tokens: [batch, seq_len, vocab_size])")
@@ -152,16 +122,16 @@ def check_model(spec: dict[str, Any], example: np.ndarray, *, strategy: str = "d
         model.eval()
         with torch.no_grad():
             x = torch.from_numpy(np.ascontiguousarray(example))
-            if spec["kind"] == "tokens":
+            if spec.kind == "tokens":
                 x = x[:, :-1]
             out = model(x)
     except Exception as e:
         raise ConfigError("model", f"{name}: {type(e).__name__}: {e}", fix) from None
-    want = expected_output(spec, len(example))
+    want = (len(example), *spec.output_shape)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        what = "regression" if spec.get("task") == "regression" else f"{spec['task']} over {spec['n_classes']} classes"
-        raise ConfigError("model", f"{name}: a batch of {len(example)} rows gave output {got}, but {spec['kind']} "
+        what = "regression" if spec.task == "regression" else f"{spec.task} over {spec.n_classes} classes"
+        raise ConfigError("model", f"{name}: a batch of {len(example)} rows gave output {got}, but {spec.kind} "
                           f"{what} needs {want}", fix)
 
 

@@ -1,8 +1,9 @@
-"""What a model is trained on: a batch's input and target, and the loss of a task."""
+"""What a model is trained on: a batch's input and target (tokens predict their successor), and
+the loss of its task: cross-entropy over classes, or for regression the mean squared error in units
+of the train label's variance, so ``train/loss`` and ``eval/loss`` read as the share of the label's
+variance left unexplained."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,3 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor, *, task: str = "classifi
     if task == "regression":
         return F.mse_loss(logits.float().reshape(-1), target.float().reshape(-1)) / target_var
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
-
-
-def target_variance(spec: dict[str, Any]) -> float:
-    return float(spec["target"]["std"]) ** 2 if spec.get("target") else 1.0

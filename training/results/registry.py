@@ -101,7 +101,7 @@ def log_model(run_id: str, model_dir: str | Path, *, example_inputs, step: int):
             # would list this machine's whole environment.
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "numpy"],
             extra_files=[str(model_dir / MODEL_FILE), str(model_dir / MODEL_CONFIG_FILE)],
-            metadata={"model_config": json.dumps(spec)},
+            metadata={"model_config": json.dumps(spec.to_json())},
         )
 
 

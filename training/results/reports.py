@@ -136,10 +136,10 @@ EVALUATION_REPORTS: dict[str, Callable[..., dict[str, Any]]] = {"classification"
                                                                 "regression": regression_report}
 
 
-def evaluation_report(meta: dict[str, Any], model, features, labels) -> dict[str, Any] | None:
-    """The report for the dataset's task (``dataset.json`` ``task``, default classification)."""
-    make = EVALUATION_REPORTS.get(meta.get("task", "classification"))
-    return make(model, meta["kind"], features, labels) if make else None
+def evaluation_report(task: str, kind: str, model, features, labels) -> dict[str, Any] | None:
+    """The report for the model's task (``classification`` or ``regression``) on its kind of data."""
+    make = EVALUATION_REPORTS.get(task)
+    return make(model, kind, features, labels) if make else None
 
 
 def _confusion_png(report: dict[str, Any], path: Path) -> None:
