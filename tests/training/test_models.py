@@ -34,8 +34,9 @@ def test_transformer_gets_within_10_percent_of_the_loss_floor(tmp_path):
     meta = make_markov_dataset(data, n_train=4000, n_val=500, seed=0)
     proc = run_torchrun(2, [f"dataset_uri={data}", "model=transformer", "hidden=64", "depth=2", "n_heads=4",
                             f"checkpoint_dir={tmp_path / 'ck'}", "steps=150", "batch_size=32", "lr=3e-3",
-                            "checkpoint_every=0", "log_every=50"])
+                            "checkpoint_every=0", "log_every=50", "eval_every=75"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval step 150: loss" in proc.stdout  # evaluation during training reads the token ids as ids
     model, spec = load_exported(tmp_path / "ck" / "step_00000150")
     val = load_split(data, "validation")
     result = score(model, "tokens", torch.from_numpy(val.features), None)
