@@ -40,6 +40,7 @@ from airflow.sdk import dag, task
 from training_airflow import backends, lifecycle, settings
 from training_airflow.assets import TRAINING_DATASET
 from training_airflow.params import training_params
+from training_airflow.wiring import body_task
 
 DEFAULT_ARGS = {
     "owner": "ml-platform",
@@ -75,23 +76,9 @@ def pipeline():
         return tasks.open_run(params, dag_id=dag.dag_id, dag_run_id=run_id, dag_run=dag_run,
                               dataset_uri=tasks.dataset_from_events(triggering_asset_events))
 
-    @task
-    def validate_data(opened: dict, params=None):
-        from training_airflow import tasks
-
-        return tasks.validate_data(params, opened)
-
-    @task
-    def evaluate(handoff: dict, params=None):
-        from training_airflow import tasks
-
-        return tasks.evaluate(params, handoff)
-
-    @task
-    def register(scored: dict, params=None):
-        from training_airflow import tasks
-
-        return tasks.register(params, scored)
+    validate_data = body_task("tasks", "validate_data")
+    evaluate = body_task("tasks", "evaluate")
+    register = body_task("tasks", "register")
 
     @task
     def report(registered: dict, params=None, dag_run=None):

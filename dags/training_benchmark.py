@@ -24,6 +24,7 @@ from datetime import datetime, timedelta
 from airflow.sdk import dag, task
 
 from training_airflow.bench_tasks import bench_params
+from training_airflow.wiring import body_task
 
 
 @dag(
@@ -45,17 +46,8 @@ def training_benchmark():
 
         return bench_tasks.open_parent(params, dag_id=dag.dag_id, dag_run_id=run_id)
 
-    @task
-    def sweep(opened: dict, params=None):
-        from training_airflow import bench_tasks
-
-        return bench_tasks.sweep(params, opened)
-
-    @task
-    def report(swept: dict, params=None):
-        from training_airflow import bench_tasks
-
-        return bench_tasks.report(params, swept)
+    sweep = body_task("bench_tasks", "sweep")
+    report = body_task("bench_tasks", "report")
 
     report(sweep(open_parent()))
 
