@@ -182,26 +182,16 @@ def _when(stamp: str | None) -> float:
 
 def _run_and_wait(af, dag_id: str, conf: dict, timeout: float = 900) -> tuple[float, dict]:
     """Trigger over REST and poll until the run ends; (trigger -> success as the client saw it, run)."""
-    from urllib.parse import quote
-
     t0 = time.perf_counter()
-    r = af.trigger(dag_id, conf)
-    assert r.status_code == 200, r.text
-    run_id = r.json()["dag_run_id"]
-    while time.perf_counter() - t0 < timeout:
-        run = af.api("GET", f"/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}").json()
-        if run.get("state") in ("success", "failed"):
-            if run["state"] != "success":
-                raise SystemExit(f"{dag_id} {run_id} failed: {af.task_states(dag_id, run_id)}")
-            return time.perf_counter() - t0, run
-        time.sleep(0.2)
-    raise SystemExit(f"{dag_id} {run_id} did not finish in {timeout} s")
+    run_id = af.trigger(dag_id, conf)
+    run = af.wait_for_run(dag_id, run_id, timeout=timeout, every=0.2)
+    if run["state"] != "success":
+        raise SystemExit(f"{dag_id} {run_id} failed: {af.task_states(dag_id, run_id)}")
+    return time.perf_counter() - t0, run
 
 
 def _task_breakdown(af, dag_id: str, run: dict) -> str:
-    from urllib.parse import quote
-
-    tis = af.api("GET", f"/dags/{dag_id}/dagRuns/{quote(run['dag_run_id'], safe='')}/taskInstances").json()["task_instances"]
+    tis = af.task_instances(dag_id, run["dag_run_id"])
     tis.sort(key=lambda ti: _when(ti["start_date"]))
     parts, prev_end = [], _when(run["queued_at"])
     for ti in tis:

@@ -16,7 +16,7 @@ docker-compose.yaml, docker/airflow.Dockerfile or what the images hold. In order
    systemd), so this script runs each container's at its interval while the stack lives.
 3. The README's steps: the demo data made in the scheduler container, a token from /auth/token,
    `distributed_training` unpaused and triggered through POST /api/v2/dags/.../dagRuns with
-   store_uri=s3://<TRAINING_BUCKET>/checkpoints.
+   store_uri=s3://<TRAINING_BUCKET>/checkpoints (scripts/airflow_api.py, the official client).
 4. Checks: the DAG run succeeded, its MLflow run is FINISHED with metrics (asked of the MLflow
    server on 127.0.0.1:5000), the checkpoint's manifest is in the S3 stand-in (127.0.0.1:9000).
 5. Always: the services' logs saved to var/stack-check/compose.log, then `docker compose down -v`
@@ -43,12 +43,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
-from urllib.parse import quote
 
 import requests
+from airflow_client.client import ApiException
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import images  # noqa: E402  (scripts/images.py: the engine, the Debian base, builds with pip secrets)
+from airflow_api import AirflowAPI  # noqa: E402  (scripts/airflow_api.py: the REST client, shared with the tests)
 
 from training.util import stop_process  # noqa: E402
 
@@ -309,71 +310,19 @@ class Compose:
         return out
 
 
-class Airflow:
-    """The stack's public REST API, as a script uses it (README: "The same run from a script")."""
-
-    def __init__(self, password: str) -> None:
-        self.password = password
-        self._token: str | None = None
-
-    def token(self) -> str:
-        if self._token is None:
-            r = requests.post(f"{AIRFLOW}/auth/token", json={"username": "admin", "password": self.password},
-                              timeout=30)
-            if r.status_code not in (200, 201):
-                raise CheckFailed(f"POST /auth/token answered {r.status_code}: {r.text[:300]}")
-            self._token = r.json()["access_token"]
-        return self._token
-
-    def api(self, method: str, path: str, **kw: Any) -> requests.Response:
-        return requests.request(method, f"{AIRFLOW}/api/v2{path}", timeout=60,
-                                headers={"Authorization": f"Bearer {self.token()}"}, **kw)
-
-    def run_path(self, run_id: str) -> str:
-        return f"/dags/{DAG}/dagRuns/{quote(run_id, safe='')}"
-
-
-def wait_for(what: str, probe, timeout: float, every: float = 3) -> Any:
-    """Call probe() until it returns something truthy; CheckFailed naming `what` after timeout."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-        except (requests.RequestException, CheckFailed) as e:
-            last = f"{type(e).__name__}: {e}"
-        else:
-            if last:
-                return last
-        time.sleep(every)
-    raise CheckFailed(f"{what}: not after {timeout:.0f}s (last: {str(last)[:500]})")
-
-
-def run_dag(af: Airflow, bucket: str, clock: Clock, timeout: float) -> dict[str, Any]:
+def run_dag(af: AirflowAPI, bucket: str, clock: Clock, timeout: float) -> dict[str, Any]:
     with clock.phase("DAG parsed by the dag-processor"):
-        wait_for(f"GET /api/v2/dags/{DAG}", lambda: af.api("GET", f"/dags/{DAG}").status_code == 200, 300)
-    r = af.api("PATCH", f"/dags/{DAG}", json={"is_paused": False})
-    if r.status_code != 200:
-        raise CheckFailed(f"unpausing {DAG}: {r.status_code} {r.text[:300]}")
+        af.wait_for_dags(DAG, timeout=300, every=3)
+    af.unpause(DAG)
     conf = {**CONF, "store_uri": f"s3://{bucket}/checkpoints"}
-    r = af.api("POST", f"/dags/{DAG}/dagRuns", json={"logical_date": None, "conf": conf})
-    if r.status_code != 200:
-        raise CheckFailed(f"POST /api/v2/dags/{DAG}/dagRuns answered {r.status_code}: {r.text[:500]}")
-    run_id = r.json()["dag_run_id"]
+    try:
+        run_id = af.trigger(DAG, conf)
+    except ApiException as e:
+        raise CheckFailed(f"POST /api/v2/dags/{DAG}/dagRuns answered {e.status}: {(e.body or '')[:500]}") from None
     log(f"triggered {run_id} with {json.dumps(conf)}")
-
-    def tasks() -> dict[str, tuple[str, float | None]]:
-        tis = af.api("GET", af.run_path(run_id) + "/taskInstances").json()["task_instances"]
-        return {ti["task_id"]: (ti["state"], ti.get("duration")) for ti in tis}
-
     with clock.phase("DAG run (trigger to final state)"):
-        try:
-            run = wait_for(f"DAG run {run_id} to end",
-                           lambda: (lambda d: d if d.get("state") in ("success", "failed") else None)(
-                               af.api("GET", af.run_path(run_id)).json()), timeout, every=5)
-        except CheckFailed as e:
-            raise CheckFailed(f"{e}; its tasks: {tasks()}") from None
-    run["tasks"] = tasks()
+        run = af.wait_for_run(DAG, run_id, timeout=timeout, every=5)
+    run["tasks"] = {ti["task_id"]: (ti["state"], ti["duration"]) for ti in af.task_instances(DAG, run_id)}
     if run["state"] != "success":
         failed = [t for t, (s, _) in run["tasks"].items() if s != "success"]
         raise CheckFailed(f"DAG run {run_id} ended {run['state']}; tasks not successful: {failed} "
@@ -459,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with clock.phase("stack up (compose up -d: every service started and healthy)"):
                     compose("up", "--detach", "--no-build", "--pull", "never", timeout=900)
-                    af = Airflow(env["AIRFLOW_ADMIN_PASSWORD"])
-                    wait_for("the api-server's token endpoint", af.token, 300)
+                    af = AirflowAPI(AIRFLOW, "admin", env["AIRFLOW_ADMIN_PASSWORD"])
+                    af.wait_until_up(300, every=3)
                 with clock.phase("demo data (make-data in the scheduler container)"):
                     compose("exec", "-T", "airflow-scheduler", "python", "-m", "training", "make-data", "--out",
                             "/opt/airflow/var/data/teacher", timeout=600)
@@ -483,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                     with clock.phase("stack down (compose down -v)"):
                         compose("down", "--volumes", "--remove-orphans", "--timeout", "30", check=False, timeout=600)
                 health.stop.set()
-    except CheckFailed as err:
+    except (CheckFailed, TimeoutError, ApiException) as err:  # the client's waits and calls say what failed
         report(clock, run, ml, s3)
         print(f"\nstack-check FAILED: {err}", file=sys.stderr)
         return 1

@@ -2,8 +2,8 @@
 
 Each part is its own process with a throw-away AIRFLOW_HOME (SQLite metadata DB, LocalExecutor),
 a free port and a known admin password; ``stop()`` ends every process group it started. The
-client side talks to the public REST API (``/api/v2``) with a JWT from ``/auth/token``, exactly as
-a script or the web UI would.
+client side is the scripts' (scripts/airflow_api.py: the official client on the public REST API
+``/api/v2``, with a JWT from ``/auth/token``), exactly as a script or the web UI would talk to it.
 """
 
 from __future__ import annotations
@@ -12,29 +12,27 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
-from urllib.parse import quote
 
 import requests
 
+from scripts.airflow_api import AirflowAPI
 from training.util import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "test-" + secrets.token_urlsafe(9)
 
 
-class LiveAirflow:
+class LiveAirflow(AirflowAPI):
     def __init__(self, home: Path, *, extra_env: dict[str, str] | None = None):
         self.home = home
         self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        # Every wait of the client first checks that no part of this Airflow died.
+        super().__init__(f"http://127.0.0.1:{self.port}", "admin", PASSWORD, on_poll=self._check_alive)
         self.procs: dict[str, subprocess.Popen] = {}
-        self._token: str | None = None
         self.env = self._make_env(extra_env or {})
 
     def _make_env(self, extra: dict[str, str]) -> dict[str, str]:
@@ -90,18 +88,14 @@ class LiveAirflow:
         for name in parts:
             self._start_part(name)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self._check_alive()
-            try:
-                if requests.get(f"{self.base}/api/v2/monitor/health", timeout=5).status_code == 200:
-                    # The execution API (what task processes call) builds its versioned models on
-                    # first use; pay that once here rather than inside the first task's timeout.
-                    requests.get(f"{self.base}/execution/health", timeout=max(5.0, deadline - time.monotonic()))
-                    return self
-            except (requests.ConnectionError, requests.Timeout):
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"api-server not healthy after {timeout}s; see {self.home}/api-server.log")
+        try:
+            self.wait_until_up(timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; see {self.home}/api-server.log") from None
+        # The execution API (what task processes call, not the public REST API) builds its versioned
+        # models on first use; pay that once here rather than inside the first task's timeout.
+        requests.get(f"{self.base}/execution/health", timeout=max(5.0, deadline - time.monotonic()))
+        return self
 
     def _start_part(self, name: str) -> None:
         airflow = str(Path(sys.executable).parent / "airflow")
@@ -137,86 +131,3 @@ class LiveAirflow:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-
-    # ------------------------------------------------------------------ REST
-    def token(self) -> str:
-        if self._token is None:
-            r = requests.post(f"{self.base}/auth/token", json={"username": "admin", "password": PASSWORD}, timeout=30)
-            r.raise_for_status()
-            self._token = r.json()["access_token"]
-        return self._token
-
-    def api(self, method: str, path: str, **kw: Any) -> requests.Response:
-        headers = {"Authorization": f"Bearer {self.token()}"}
-        return requests.request(method, f"{self.base}/api/v2{path}", headers=headers, timeout=60, **kw)
-
-    def wait_for_dags(self, *dag_ids: str, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        missing = list(dag_ids)
-        while time.monotonic() < deadline:
-            self._check_alive()
-            missing = [d for d in dag_ids if self.api("GET", f"/dags/{d}").status_code != 200]
-            if not missing:
-                return
-            time.sleep(2)
-        errors = self.api("GET", "/importErrors").json()
-        raise TimeoutError(f"DAGs {missing} not parsed after {timeout}s; import errors: {errors}")
-
-    def unpause(self, dag_id: str) -> None:
-        r = self.api("PATCH", f"/dags/{dag_id}", json={"is_paused": False})
-        assert r.status_code == 200, r.text
-
-    def trigger(self, dag_id: str, conf: dict[str, Any]) -> requests.Response:
-        return self.api("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
-
-    def wait_for_run(self, dag_id: str, run_id: str, *, timeout: float = 600) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        run: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            self._check_alive()
-            run = self.api("GET", f"/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}").json()
-            if run.get("state") in ("success", "failed"):
-                return run
-            time.sleep(2)
-        raise TimeoutError(f"{dag_id}/{run_id} still {run.get('state')} after {timeout}s: {self.task_states(dag_id, run_id)}")
-
-    def runs(self, dag_id: str, **query: Any) -> list[dict[str, Any]]:
-        r = self.api("GET", f"/dags/{dag_id}/dagRuns", params=query)
-        assert r.status_code == 200, r.text
-        return r.json()["dag_runs"]
-
-    def clear(self, dag_id: str, run_id: str, task_ids: list[str], *, downstream: bool = True) -> None:
-        """What "Clear task (and downstream)" in the UI does: the tasks run again as a new try."""
-        r = self.api("POST", f"/dags/{dag_id}/clearTaskInstances",
-                     json={"dry_run": False, "dag_run_id": run_id, "task_ids": task_ids,
-                           "include_downstream": downstream, "only_failed": False, "reset_dag_runs": True})
-        assert r.status_code == 200, r.text
-
-    def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
-        tis = self.api("GET", f"/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances").json()["task_instances"]
-        return {ti["task_id"]: ti["state"] for ti in tis}
-
-    def try_numbers(self, dag_id: str, run_id: str) -> dict[str, int]:
-        tis = self.api("GET", f"/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances").json()["task_instances"]
-        return {ti["task_id"]: ti["try_number"] for ti in tis}
-
-    def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value") -> Any:
-        r = self.api("GET", f"/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/xcomEntries/{key}")
-        assert r.status_code == 200, r.text
-        return r.json()["value"]
-
-    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
-        r = self.api("GET", f"/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/logs/{try_number}")
-        assert r.status_code == 200, r.text
-        body = r.json()
-        content = body.get("content", body)
-        if not isinstance(content, list):
-            return str(content)
-        lines = []
-        for entry in content:  # structured log records; an exception's text is in error_detail
-            if not isinstance(entry, dict):
-                lines.append(str(entry))
-                continue
-            lines.append(str(entry.get("event", "")))
-            lines += [f"{d.get('exc_type')}: {d.get('exc_value')}" for d in entry.get("error_detail") or []]
-        return "\n".join(lines)

@@ -71,9 +71,7 @@ def _start(af, dataset, tmp_root, experiment: str) -> tuple[str, Path, Path]:
     af.unpause(TRAIN)
     conf = {"dataset_uri": str(dataset), "experiment": experiment, "world_size": 2, "steps": STEPS,
             "checkpoint_every": EVERY, "eval_every": 0, "store_uri": (tmp_root / f"{experiment}-store").as_uri()}
-    r = af.trigger(TRAIN, conf)
-    assert r.status_code == 200, r.text
-    run_id = r.json()["dag_run_id"]
+    run_id = af.trigger(TRAIN, conf)
     states = lambda: af.task_states(TRAIN, run_id)  # noqa: E731
     _wait(lambda: states().get("validate_data") == "success", 300, "validate_data success")
     mlflow_run_id = af.xcom(TRAIN, run_id, "validate_data")["mlflow_run_id"]

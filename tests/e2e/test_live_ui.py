@@ -71,7 +71,7 @@ def _login(b: Browser, af, path: str) -> None:
 def test_trigger_form_in_the_browser(live_airflow, browser, tmp_path):
     af, b = live_airflow, browser
     af.wait_for_dags("distributed_training")
-    details = af.api("GET", "/dags/distributed_training/details").json()
+    details = af.dag_details("distributed_training")
 
     _login(b, af, "/dags/distributed_training")
 
@@ -163,8 +163,8 @@ def test_every_task_links_to_its_mlflow_run_and_the_run_back(live_airflow, live_
     rest = finished["rest"]
     page = run_url(mlflow_ui, rest.info.experiment_id, rest.info.run_id)
     for task in CORE:  # every task of the run, as the API server answers the UI
-        links = af.api("GET", f"/dags/{TRAIN}/dagRuns/{quote(live_runs['rest'], safe='')}/taskInstances/{task}/links")
-        assert links.json()["extra_links"] == {"MLflow run": page}, (task, links.text)
+        links = af.extra_links(TRAIN, live_runs["rest"], task)
+        assert links == {"MLflow run": page}, (task, links)
     assert rest.info.run_name == "mlp-ddp-fp32-1rank-20steps"  # what it trains; the Airflow run id is a tag
     assert rest.data.tags["airflow.note"] == RUN_NOTE and f"**Airflow note:** {RUN_NOTE}" in rest.data.tags[
         "mlflow.note.content"], "the Airflow run's note is in the MLflow run's description"
