@@ -4,7 +4,7 @@
 
 The transformer (d_model ``--hidden``, ``--depth`` blocks: 3.2M parameters, 12.6 MB of fp32
 gradients at the defaults) on Markov token data, 2 gloo ranks, each point a real torchrun run of
-the trainer logging to its own MLflow run (``training.bench``: the same sweep as
+the trainer logging to its own MLflow run (``training.results.bench``: the same sweep as
 ``python -m training bench --bucket-caps ... --comm-hooks none fp16 --repeats N``). Rounds
 alternate every setting; figures are medians over the rounds of each run's log windows after the
 first. Printed per setting: collectives per step (buckets), time a collective was in flight,

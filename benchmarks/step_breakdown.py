@@ -79,7 +79,7 @@ def all_reduce_worker(sizes: list[int]) -> None:
         if dist.get_rank() == 0:
             print(f"  all_reduce of {n:>7,} floats {us:7.1f} us", flush=True)
     dist.barrier()
-    os._exit(0)  # no process-group teardown: see training/distributed.py on gloo's destructor
+    os._exit(0)  # no process-group teardown: see training/distributed/parallel.py on gloo's destructor
 
 
 def main() -> int:

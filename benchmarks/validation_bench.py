@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/validation_bench.py [--rows 1000000] [--repeats 3]
 
-Writes the same rows three ways and times ``training.validation.validate`` end to end on each, after
+Writes the same rows three ways and times ``training.data.gate.validate`` end to end on each, after
 importing Great Expectations, pandas and pyarrow (import time is reported apart):
 
 - ``inferred``: train/ and validation/ folders (900,000 + 100,000 rows), no metadata file: the

@@ -1,32 +1,17 @@
 """
 # Distributed training
 
-One run of this DAG trains one model and records everything in **one MLflow run**:
+One run trains one model and records everything in **one MLflow run**, linked both ways (the link
+**MLflow run** on every task; the run's description links back here):
 
-1. **open_run** - checks the parameters, then opens the MLflow run of this DAG run (a retry
-   re-opens the same one). Bad parameters stop the run here, before any MLflow run exists.
-2. **validate_data** - runs the Great Expectations data gate on every split and checks the model
-   against the data. Bad data stops the run here: no rank starts.
-3. **train and commit**, in the task group of the backend:
-   - *local*: **train** starts `torchrun --nproc-per-node <world_size>` on the worker (DDP/FSDP
-     over gloo on CPU, nccl on GPUs). Every K steps each rank writes its shard straight to the
-     store (`file://` or `s3://`) and rank 0 commits it: `manifest.json` with every sha256, then
-     the `latest` pointer; a retried task resumes from the newest checkpoint that verifies, on any
-     worker. **upload_checkpoint** reads the final commit back (with `checkpoint_location=local`:
-     uploads the final checkpoint from the worker's disk).
-   - *kubernetes* (when the deployment enables it): **create_rendezvous_service** (setup) ->
-     **train_on_kubernetes** (Indexed Job of `k8s_nnodes` pods, torchrun with the c10d rendezvous
-     on pod 0, checkpoints straight to the `s3://` store) -> **upload_on_kubernetes** (only with
-     `checkpoint_location=local`: a pod uploads the final checkpoint from the PVC) ->
-     **confirm_commit**; **delete_rendezvous_service** is the teardown.
-4. **evaluate** - fetches the checkpoint back, verifies it against the manifest, scores the
-   validation split (`eval/loss`, `eval/accuracy`).
-5. **register** - logs the model to MLflow, registers it, and gives it the `champion` alias if it
-   beats the current one.
-6. **report** - records the orchestration overhead, draws the run's plots and closes the MLflow run.
-
-Every task has the link **MLflow run** (top of the task's page): the MLflow run of this DAG run,
-whose description links back here and carries this run's note.
+1. **open_run** - checks the parameters, then opens the MLflow run (a retry re-opens the same one).
+2. **validate_data** - the data gate on every split, and the model against the data: bad data stops here.
+3. **train and commit**, the backend's task group: *local* (**train**: `torchrun` on the worker,
+   then **upload_checkpoint**) or *kubernetes* (an Indexed Job of `k8s_nnodes` pods). By default the
+   ranks commit every checkpoint straight to the store; a retry resumes from the newest that verifies.
+4. **evaluate** - verifies the final checkpoint against its manifest and scores the validation split.
+5. **register** - registers the model; it takes the `champion` alias if it beats the current one.
+6. **report** - records the orchestration overhead, draws the run's plots, closes the MLflow run.
 
 Trigger it with the form (every field explains itself), then open MLflow and compare runs.
 """

@@ -2,19 +2,16 @@
 # Training benchmark
 
 A sweep over **world size x strategy x precision x gradient compression** on one model and
-dataset, the same as `python -m training bench`. One MLflow **parent run** per DAG run; every
-grid point trains with `torchrun` into its own **child run** (nested under the parent in the
-MLflow UI), and the parent gets the **comparison report** (table in Markdown and HTML, plots of
-throughput and scaling efficiency, compute vs exposed communication per step, loss curves,
-time to target) as artifacts under `comparison/`.
+dataset, the same as `python -m training bench`: one MLflow **parent run** per DAG run, one
+**child run** per grid point (nested under the parent in the MLflow UI).
 
 1. **open_parent** - checks the grid (points the trainer would refuse are skipped, with the
    reason in the log) and opens the parent run (a retry finds the same one).
-2. **sweep** - trains every point; a retry skips the points already finished.
-3. **report** - writes the comparison report, logs it to the parent run and closes it.
+2. **sweep** - trains every point with `torchrun`; a retry skips the points already finished.
+3. **report** - logs the comparison report (table, plots of throughput, scaling, communication,
+   loss and time to target) to the parent run under `comparison/` and closes it.
 
-Choose the grid in the trigger form. The same figures for any runs:
-`python -m training compare --experiment NAME --runs ...`.
+Choose the grid in the trigger form; `python -m training compare` gives the same figures for any runs.
 """
 
 from __future__ import annotations

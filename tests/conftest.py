@@ -27,7 +27,7 @@ os.environ.update(
     MLFLOW_TRACKING_URI=f"sqlite:///{_TMP / 'mlflow' / 'mlflow.db'}",
     TRAINING_VAR_DIR=str(_TMP / "var"),
     TRAINING_CACHE_DIR=str(_TMP / "cache"),  # measured peaks, data gate verdicts: per test session
-    TRAINING_DATA_CACHE=str(_TMP / "data-cache"),  # S3 datasets' local copies (training/tables.py)
+    TRAINING_DATA_CACHE=str(_TMP / "data-cache"),  # S3 datasets' local copies (training/data/sources.py)
     GLOO_SOCKET_IFNAME="lo",
     GX_ANALYTICS_ENABLED="False",
     MLFLOW_ENABLE_TELEMETRY="false",

@@ -4,14 +4,11 @@ over the ranks) and after it, from a checkpoint in the store (``run``):
     python -m training evaluate --store-uri file:///tmp/store --experiment demo --run-id RUN \
         --dataset-uri var/data/teacher
 
-Classification (and tokens): ``eval/loss`` (mean cross-entropy) and ``eval/accuracy``.
-Regression: ``eval/loss`` (mean squared error over the train label's variance, as in training),
-``eval/rmse`` (in the label's units) and ``eval/r2`` (1 - squared error / the validation label's
-squared deviation from its own mean).
-
-After training the model is rebuilt from ``model.safetensors`` + ``model_config.json`` (no
-pickle; a factory model imports its module), after every file of the checkpoint was checked
-against its manifest's sha256, and scored on the validation rows the model spec's columns name.
+Classification (and tokens): ``eval/loss`` (mean cross-entropy) and ``eval/accuracy``. Regression:
+``eval/loss`` (mean squared error over the train label's variance, as in training), ``eval/rmse``
+(in the label's units) and ``eval/r2`` (1 - squared error / the validation label's squared
+deviation from its own mean). After training the model is rebuilt from ``model.safetensors`` +
+``model_config.json`` (no pickle) once every file of the checkpoint matched its manifest's sha256.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """The trainer's one logger, filtered by rank: rank 0 prints INFO and above, every other rank only
-warnings and errors (a fault-injection notice, a metrics sampler that failed). Each record goes to
-stdout as the bare message, one line, flushed, so the progress lines read the same whether one or
-many ranks run and tests can parse them.
+warnings and errors. Each record goes to stdout as the bare message, one line, flushed, so the
+progress lines read the same whether one or many ranks run and tests can parse them.
 
     from training.log import logger
     logger.info("step 10/300 | ...")   # printed by rank 0 only, once ``init(rank)`` ran
 
-Until ``init`` runs (a library call outside the trainer) records go wherever the process's
-logging is configured, like any library's. With a ``folder``, rank 0 also appends every line to
-``<folder>/train.log`` (all attempts of a run, each line with its time): the run's train log, which
-the trainer logs to MLflow.
+Until ``init`` runs (a library call outside the trainer) records go wherever the process's logging
+is configured. With a ``folder``, rank 0 also appends every line, with its time, to
+``<folder>/train.log`` (all attempts of a run): the run's train log, which the trainer logs to MLflow.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Task logs of runs made in-process with ``dag.test()`` (``make demo``), written where a worker
 writes them, so the Airflow UI shows every task's log, a failed task's error included.
 
-``dag.test()`` runs each task in the calling process and prints its log to the console only: the
-run appears in the UI's grid with empty logs. Airflow has no switch for this (its executor mode
-needs a running api-server), so this tees the process's log records, for as long as a task runs,
-into ``<base_log_folder>/<log_filename_template>`` as the JSON lines a worker's supervisor writes
-(``timestamp``, ``level``, ``logger``, ``event``), which the api-server's log reader serves.
-
     with task_logs_to_files():
         dag.test(run_conf=conf)
 
-Two sources are teed: the standard ``logging`` records (the task bodies, torchrun's output lines)
-through a handler on the root logger, and Airflow's own structlog records (task start, the error
-and traceback of a failure) through a processor put first in structlog's chain. A task listener
-(Airflow's public listener API) opens the task's file when it starts and closes it when it ends.
+``dag.test()`` prints each task's log to the console only, and Airflow has no switch for this (its
+executor mode needs a running api-server). So, while a task runs, this tees the standard
+``logging`` records (a root handler) and Airflow's structlog records (a processor put first) into
+``<base_log_folder>/<log_filename_template>`` as the JSON lines a worker's supervisor writes,
+which the api-server's log reader serves; a task listener opens and closes each task's file.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """The MLflow run's status follows its DAG run: every failure leaves a true record in it.
 
-Task callbacks (``default_args`` of the training DAGs):
+Task callbacks (``default_args`` of the training DAGs): ``on_retry`` and ``on_failure`` tag
+``failure.task``, ``failure.try`` and ``failure.reason`` and log the task's log tail as
+``failures/<task>-try<N>.log``; ``on_failure`` also marks the run FAILED (during a retry it stays
+RUNNING). ``on_success`` after a failure removes the ``failure.*`` tags and puts a FAILED run back
+to RUNNING. Cancellations get no callback in Airflow, so ``reconcile`` (called by ``open_run``)
+marks the RUNNING MLflow runs whose DAG run failed or no longer exists KILLED.
 
-- ``on_retry`` (a task failed and Airflow will retry it) and ``on_failure`` (it failed for good):
-  tags ``failure.task``, ``failure.try`` and ``failure.reason`` (one line), and the tail of the
-  task's log as the artifact ``failures/<task>-try<N>.log``. ``on_failure`` also marks the run
-  FAILED; during a retry the run stays RUNNING (it is still going). Either way the run's
-  description (``training.tracking.describe``) leads with the reason.
-- ``on_success``: a task that succeeds after a failure (its retry, or a cleared task) removes the
-  ``failure.*`` tags and puts a FAILED run back to RUNNING (``report`` marks it FINISHED); the
-  ``failures/`` artifacts stay as the run's history.
-
-Cancellations get no callback in Airflow (a DAG run marked failed in the UI, a deleted DAG run),
-so ``reconcile``, called by ``open_run`` of every new run, marks the experiment's RUNNING
-MLflow runs of the DAG whose DAG run has failed or no longer exists KILLED.
-
-A callback never raises: a record about a failure must not hide the failure itself. The MLflow run
-is found by its tags (``airflow.dag_id``, ``airflow.dag_run_id``), so this also works where the
-task's own process is gone (a killed worker: Airflow runs the callback elsewhere).
+A callback never raises (a record about a failure must not hide it) and finds the MLflow run by
+its tags (``airflow.dag_id``, ``airflow.dag_run_id``), so it also works where the task's process is gone.
 """
 
 from __future__ import annotations

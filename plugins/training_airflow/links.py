@@ -1,20 +1,15 @@
 """The two runs of one training, linked both ways.
 
-- Airflow -> MLflow: ``MLflowRunLink``, the extra link "MLflow run" on every task (registered by
-  ``plugins/training_links.py`` as a global operator link). The API server calls ``get_link`` when
-  a person opens a task, so it works for every task of a run whatever its state: failed, skipped,
-  never started. It finds the MLflow run by the tags every run of this pipeline carries
-  (``airflow.dag_id``, ``airflow.dag_run_id``); a DAG run without one (refused before the run
-  opened, or a DAG that records nothing in MLflow) gets no link.
-- MLflow -> Airflow: ``airflow_tags``: the tag ``airflow.url`` (the DAG run's page) and the run
-  type, set by ``open_run``; ``RunNoteListener`` (a listener of the same plugin, in the
-  scheduler) copies the DAG run's note into the tag ``airflow.note`` when the run ends, which
-  ``training.tracking.describe`` puts into the MLflow run's description. Tasks cannot read the
-  note: Airflow's execution API hands them the DAG run without it.
+- Airflow -> MLflow: ``MLflowRunLink``, the extra link "MLflow run" on every task, whatever its
+  state (registered by ``plugins/training_links.py`` as a global operator link); it finds the MLflow
+  run by the tags ``airflow.dag_id`` and ``airflow.dag_run_id``; a DAG run without one gets no link.
+- MLflow -> Airflow: ``airflow_tags`` (the DAG run's page as ``airflow.url``, and the run type), set
+  by ``open_run``; ``RunNoteListener`` (in the scheduler) copies the DAG run's note into the tag
+  ``airflow.note`` when the run ends, for the MLflow run's description (training/tracking/page.py).
+  Tasks cannot read the note: Airflow's execution API hands them the DAG run without it.
 
-Where people open each UI: ``settings.airflow_ui_url`` (Airflow's ``[api] base_url``) and
-``settings.mlflow_ui_url``. Nothing heavy is imported at module level: the plugin loader of every
-Airflow part imports this.
+The UIs' addresses: ``settings.airflow_ui_url`` and ``settings.mlflow_ui_url``. Light imports only:
+the plugin loader of every Airflow part imports this.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""The trigger form of the training DAGs, generated from the dataclasses that declare each field.
-
-Three declarations, each field written once with ``training.fields.knob`` (type, choices, limits,
-title, help):
-
-- the trainer's fields: ``training.config.TrainConfig`` (the same fields ``python -m training
-  train --set`` takes), with the deployment's defaults for paths and ``eval_every``;
-- the run's own fields: ``RunParams`` below (MLflow experiment, backend, ranks, store, registry);
-- each enabled backend's fields (``backends/kubernetes/params.py``).
+"""The trigger form of the training DAGs, generated from the dataclasses that declare each field
+with ``training.config.fields.knob``: the trainer's ``training.config.train_config.TrainConfig``
+(the fields ``python -m training train --set`` takes, with the deployment's defaults for paths and
+``eval_every``), the run's own ``RunParams`` below (MLflow experiment, backend, ranks, store,
+registry) and each enabled backend's (``backends/kubernetes/params.py``).
 
 Airflow enforces each field's JSON schema when a run is created (the form shows the reason, the
-REST API answers 400); rules between fields are checked by ``open_run`` before anything runs.
-The tables in the README and docs/configuration.md come from the same declarations
-(``scripts/config_docs.py``; a test fails when the committed tables differ).
+REST API answers 400); rules between fields are checked by ``open_run`` before anything runs. The
+tables in the README and docs/configuration.md come from the same declarations (scripts/config_docs.py).
 """
 
 from __future__ import annotations

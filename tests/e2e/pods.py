@@ -567,7 +567,7 @@ class PodsRun:
         return self.checkpoints / self.params["experiment"] / self.opened["mlflow_run_id"]
 
     def steps(self) -> list[dict]:
-        """Rank 0's per-step records (training/train.py StepLog), every attempt."""
+        """Rank 0's per-step records (StepLog, training/metrics/steps.py), every attempt."""
         from training.train import StepLog
 
         return StepLog.read(self.run_dir() / "output")

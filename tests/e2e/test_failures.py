@@ -78,7 +78,7 @@ def test_a_success_after_a_failure_clears_the_record(tmp_root):
 
 def test_cancelled_and_deleted_dag_runs_end_killed(tmp_root, monkeypatch):
     """Airflow calls no callback when a DAG run is marked failed or deleted; the next run's
-    validate_data asks the API server for the state of each RUNNING run's DAG run (played here by
+    open_run asks the API server for the state of each RUNNING run's DAG run (played here by
     the Task SDK call it makes, answering as the server does: a state, or an error for a missing run)."""
     from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 

@@ -157,7 +157,7 @@ def test_pod_failure_policy_fails_fast_on_bad_input_and_ignores_disruptions(buil
     assert "containerName" not in fail[0]["onExitCodes"]  # applies to the init container too
     ignore = [r for r in rules if r["action"] == "Ignore"]
     assert ignore == [
-        # The launcher's exit code of a preempted pod (training/elastic.py), from the training container only.
+        # The launcher's exit code of a preempted pod (training/distributed/elastic.py), from the training container only.
         {"action": "Ignore", "onExitCodes": {"containerName": "base", "operator": "In", "values": [75]}},
         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
 

@@ -1,5 +1,5 @@
 """Rank 0's MLflow calls relayed through stdout to the process that launched it (the local
-backend's train task): ``tracking.RelayLogger`` in a real child process, ``RelayReceiver`` here,
+backend's train task): ``tracking.relay.RelayLogger`` in a real child process, ``RelayReceiver`` here,
 a real MLflow store. The run must end up with what direct logging gives it, and rank 0 must not
 import MLflow at all (the point of the relay)."""
 

@@ -1,21 +1,17 @@
-"""The commit protocol of checkpoints, the same for every checkpoint and every store (training/stores.py).
+"""The commit protocol of checkpoints, the same for every checkpoint and every store (training/store/).
 
-Layout of one run's checkpoints (``Location``: a store and a prefix; for the trainer the prefix is
-empty and ``checkpoint_dir`` is the store, for the pipeline it is ``{experiment}/{mlflow_run_id}``
-in ``store_uri``)::
+Layout (``Location``: a store and a prefix; the trainer's ``checkpoint_dir`` is a store with an
+empty prefix, the pipeline's is ``{experiment}/{mlflow_run_id}`` in ``store_uri``)::
 
     {location}/step_{step:08d}/<files>         DCP shards, .metadata, rng_rankN.pt (+ the model, final step)
     {location}/step_{step:08d}/manifest.json   written after every file: each file's size and sha256
     {location}/step_{step:08d}/eval.json       evaluation (not in the manifest), for retention
     {location}/latest                          written after the manifest: step folder + manifest sha256
 
-Commit: objects, then ``manifest.json`` (every file's size and sha256, each computed by the rank
-that wrote the file; step, world size, config hash), then ``latest``. Each write returns only once
-stored, so a failure anywhere leaves ``latest`` on the previous checkpoint. A reader trusts a
-checkpoint only when its manifest is present (and is the one ``latest`` recorded) and every object
-it reads matches it, and otherwise falls back to the next older one, saying why (``candidates``,
-``verified_file``). Retention keeps the last K, the best by evaluation and whatever ``latest``
-names, and deletes a checkpoint's manifest before its objects.
+Each write returns once stored, so a failure anywhere leaves ``latest`` on the previous checkpoint.
+A reader trusts a checkpoint only when its manifest is present (and is the one ``latest`` recorded)
+and every object it reads matches it (else ``CheckpointCorrupt``), and otherwise falls back to the
+next older one, saying why (``candidates``, ``verified_file``). Retention: checkpoint/retention.py.
 """
 
 from __future__ import annotations
@@ -143,7 +139,7 @@ def upload_checkpoint(local_dir: str | Path, store_uri: str, *, experiment: str,
                       env: Mapping[str, str] | None = None) -> Committed:
     """Commit one local checkpoint folder (written by the trainer with its own manifest) to the
     store; safe to re-run (task retries). Every file is checked against the local manifest first,
-    so a damaged local copy is never published. ``env``: S3 settings (see s3_store.S3Store)."""
+    so a damaged local copy is never published. ``env``: S3 settings (see store/s3.py's S3Store)."""
     t0 = time.perf_counter()
     local_dir = Path(local_dir)
     step_dir = check_path_part("checkpoint folder", local_dir.name)
@@ -282,4 +278,4 @@ def fetch_checkpoint(store_uri: str, *, experiment: str, run_id: str, dest: str 
     raise StoreError(f"no verified checkpoint under {loc.uri()} ({'; '.join(warnings) or 'nothing uploaded'})")
 
 
-# --------------------------------------------------------------------------- retention
+# Retention (which committed checkpoints are kept) is training/checkpoint/retention.py.

@@ -1,23 +1,13 @@
-"""DCP's storage layer on our stores: ``StoreWriter`` commits every checkpoint with the protocol of
-training/storage.py (each rank stores its own files with their sha256, the coordinator then writes
-the manifest and moves ``latest``); ``VerifiedReader`` lets a rank read only files whose size and
-sha256 match the manifest, checked before a single byte reaches the model.
+"""DCP's storage layer on our stores: ``StoreWriter`` and ``VerifiedReader`` are DCP's own
+FileSystemWriter and FileSystemReader (DCP's format, nothing of ours) on a store (store/base.py).
 
-Why our own StorageWriter/StorageReader on the boto3 store (training/stores.py) and not DCP's
-fsspec writer through s3fs: s3fs needs aiobotocore, and its release that goes with s3fs 2026.9.0
-(aiobotocore 3.10.0) requires botocore < 1.43.118 while boto3 1.44.8 (pinned) needs botocore
-1.44.8, so the two cannot be installed together; a second S3 client would also mean a second
-configuration of credentials, retries, timeouts and error messages. And the commit protocol needs
-what neither offers: each rank's sha256 of what it wrote, gathered to the coordinator, and reads
-that are verified before DCP deserializes them. So both classes *are* DCP's FileSystemWriter and
-FileSystemReader (DCP's own serialization, one file per rank, ``.metadata``: nothing of the format is
-ours). The writer's file system is the store: every file DCP writes streams straight into it
-(``Store.open_write``; for S3 boto3's transfer manager uploads the stream in parallel multipart
-parts while DCP still serializes, nothing is spooled to disk) and is hashed on the way. The
-reader reads a folder store in place and downloads S3 objects into a local cache, verifying
-each before DCP opens it. The digests ride DCP's own
-gather of write results to the coordinator (entries under ``DIGESTS``, removed before
-``.metadata`` is written), so no extra collective is needed, in sync and async saves alike.
+- ``StoreWriter`` streams every file DCP writes straight into the store, hashing it on the way,
+  and commits with the protocol of training/checkpoint/commit.py: the digests ride DCP's own gather
+  of write results (``DIGESTS``), then the caller's ``on_commit`` writes the manifest and ``latest``.
+- ``VerifiedReader`` lets a rank read only files whose size and sha256 match the manifest, checked
+  before a byte reaches the model (``CheckpointCorrupt`` otherwise, on every rank).
+
+Why not DCP's fsspec writer through s3fs: docs/decisions/0001-dcp-on-our-own-store.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
-"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP) and a portable final export.
-
-Layout under ``checkpoint_dir`` (a folder, ``file:///folder`` or ``s3://bucket/prefix``)::
+"""The trainer's checkpoints: ``TrainState`` (what is saved) and ``Checkpointer``, which owns when
+to save as well as how, with ``torch.distributed.checkpoint`` (DCP). Layout under ``checkpoint_dir``
+(a folder, ``file:///folder`` or ``s3://bucket/prefix``)::
 
     step_00000100/__N_0.distcp, .metadata   DCP: each rank's shard, the coordinator's metadata
     step_00000100/rng_rankN.pt              each rank's RNG states (tensors and ints only)
-    step_00000100/manifest.json             after every file: each file's size and sha256 (storage.py)
+    step_00000100/manifest.json             after every file: each file's size and sha256
     step_00000300/model.safetensors + model_config.json   (final step only, in the manifest too)
     latest                                  after the manifest: the newest committed checkpoint
 
-Every checkpoint, periodic or final, sync or async, is committed with the protocol of
-training/storage.py, straight from the ranks (training/checkpoint_io.py); a folder without a
-manifest, or with a file that does not match it, is never resumed from.
-
-``Checkpointer`` owns when to save as well as how: ``resume`` at start, ``maybe_save`` after every
-step (every ``checkpoint_every`` steps), ``finalize`` at the end (the final step with the exported
-model), ``save(final=True)`` on preemption.
+Every checkpoint is committed by the ranks with the protocol of training/checkpoint/commit.py
+(through training/checkpoint/dcp_io.py); one without a manifest, or with a file that does not match
+it, is never resumed from. ``resume`` at start, ``maybe_save`` every ``checkpoint_every`` steps,
+``finalize`` at the end (with the exported model), ``save(final=True)`` on preemption.
 """
 
 from __future__ import annotations
@@ -121,7 +118,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 class Checkpointer:
     """Saves TrainState into ``{checkpoint_dir}/step_XXXXXXXX/`` (a folder, ``file://`` or
-    ``s3://``), sync or async, with the commit protocol of training/storage.py: every rank stores
+    ``s3://``), sync or async, with the commit protocol of training/checkpoint/commit.py: every rank stores
     its own files, the coordinator then writes the manifest (each file's size and sha256) and moves
     ``latest``, then applies retention (the last ``keep_last``, the best by eval/loss, ``latest``).
     ``resume`` loads the newest checkpoint that verifies, falling back and saying why.

@@ -1,20 +1,15 @@
-"""Declared configuration fields: each knob is written once, everything else is derived from it.
-
-A configuration is a ``@dataclass(kw_only=True)`` whose fields are declared with ``knob()``: the
-type annotation says what values are allowed (``Literal[...]`` for fixed choices, ``X | None`` for
-an optional value), the knob its default, title, help text and limits. From that one declaration:
+"""Declared configuration fields: each knob is written once (``knob()`` on a field of a
+``@dataclass(kw_only=True)``), everything else is derived from it:
 
 - ``check_fields``: every value against its type, choices, pattern and limits; a mistake raises
-  ``ConfigError`` naming the field and the fix (rules *between* fields stay in the config's own
-  ``check_*`` functions);
+  ``ConfigError`` naming the field and the fix (rules between fields are the config's ``check_*``);
 - ``parse_value`` / ``set_args``: ``--set key=value`` strings to values and back (a round trip);
-- ``json_schema``: the JSON schema of a field, which the Airflow side wraps in a ``Param`` so the
-  trigger form shows the same title, help, dropdown and limits;
+- ``json_schema``: a field's JSON schema, which the Airflow side wraps in a ``Param``;
 - ``help_lines`` and ``markdown_table``: the CLI's ``--help`` and the tables in the docs.
 
-Supported types: ``int``, ``float``, ``bool``, ``str``, ``Literal[...]`` of strings,
-``X | None`` of those, ``dict[str, str]`` and ``dict[str, Any]`` (any JSON object, passed through). This module imports nothing heavy (no torch, no
-Airflow): the pods, the CLI and the DAG parser all read it.
+Types: ``int``, ``float``, ``bool``, ``str``, ``Literal[...]`` of strings, ``X | None`` of those,
+``dict[str, str]``, ``dict[str, Any]``. Imports nothing heavy (no torch, no Airflow): the pods, the
+CLI and the DAG parser all read it. Why: docs/decisions/0008-one-declaration-per-knob.md.
 """
 
 from __future__ import annotations

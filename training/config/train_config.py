@@ -1,9 +1,8 @@
-"""The trainer's configuration: one dataclass, each field declared once with ``knob()``.
-
-Its title, help, type (``Literal`` for fixed choices), limits and default live under the field;
-the CLI's help, ``--set`` parsing, the Airflow trigger form, the MLflow params and the tables in
-docs/configuration.md and the README are all generated from it (``training.fields``). Adding a
-knob means adding a field here and using it where it matters, nothing else.
+"""The trainer's configuration: one dataclass (``TrainConfig``), each field declared once with
+``knob()`` (title, help, type, limits and default live under the field); the CLI's help, ``--set``
+parsing, the Airflow trigger form, the MLflow params and the tables in docs/configuration.md and
+the README are generated from it (training/config/fields.py). Adding a knob means adding a field
+here and using it where it matters, nothing else.
 
 Rules *between* fields are ``check_*`` functions below; every mistake raises ``ConfigError`` whose
 message names the field and says how to fix it. Nothing here touches the file system, starts a

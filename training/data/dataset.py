@@ -69,7 +69,7 @@ class Dataset:
 
     @property
     def meta(self) -> dict[str, Any]:
-        """The description (training.schema.describe); ConfigError names a field to fix."""
+        """The description (training.data.schema.describe); ConfigError names a field to fix."""
         if self._meta is None:
             self._meta = describe(self.layout.meta, self.options, lambda: self.table("train"))
         return self._meta
@@ -153,8 +153,8 @@ def load_split(root: str | Path | Dataset, split: str, spec: Any = None) -> Spli
 
 def _to_numpy(column) -> np.ndarray:
     """One Arrow column as a numpy array, through DLPack (no copy) where it applies: pyarrow's
-    ``to_numpy`` goes through its pandas bridge, and importing pandas is about half a second of
-    every rank's start-up. Columns DLPack cannot take (nulls, other types) use ``to_numpy``."""
+    ``to_numpy`` goes through its pandas bridge, and importing pandas slows every rank's start-up
+    (docs/benchmarks.md, "What changed"). Columns DLPack cannot take (nulls, other types) use ``to_numpy``."""
     try:
         if column.num_chunks:
             return np.concatenate([np.from_dlpack(chunk) for chunk in column.chunks])

@@ -1,7 +1,6 @@
 """The Great Expectations suite of one split (``build_suite``), from the dataset's schema, with
 two expectations GX 1.x lacks (class shares within bounds, unique rows by a 64-bit row hash).
-Range checks use the column min/max (vectorized) instead of GX's per-value
-``expect_column_values_to_be_between``, which takes seconds on a million rows."""
+Ranges are checked on the column min/max, not per value: docs/decisions/0002-vectorized-gate-checks.md."""
 
 from __future__ import annotations
 

@@ -2,41 +2,13 @@
 
     python -m training validate --dataset-uri var/data/teacher [--label-column y] [--min-rows N] [--docs-dir DIR]
 
-The schema (training/schema.py) comes from ``dataset.json`` when the dataset has one (an explicit
-``schema`` section, or one derived from the generic fields ``make-data`` writes), and otherwise is
-inferred from the train split, so that validation is checked against what train holds::
-
-    "schema": {
-      "columns": [
-        {"name": "f0",    "dtype": "float", "min": -6.0, "max": 6.0},
-        {"name": "label", "dtype": "int",   "values": [0, 1, 2, 3]}
-      ],
-      "label": "label",                 # optional: enables the class-balance check
-      "min_rows": 100,                  # fewest rows a split may have
-      "max_duplicate_fraction": 0.01,   # share of rows that are exact copies of another row
-      "class_fraction": [0.025, 0.9]    # every label value's share of rows lies in this range
-    }
-
-The dataset is opened first (training/tables.py: its layout, local folder or S3, every file's
-sha256); a missing folder, an unusable layout, or a table that cannot be described (no label
-column, a label with nulls, a single class...) fails the gate with the field to fix.
-
-Each split is read with pyarrow and checked by one suite: exact column set, dtypes, no nulls (NaN
-counts as null), no inf (column min/max within the declared or the float range), label values in
-the allowed set or range, minimum rows, duplicate-row fraction, per-class share. Range checks use
-the column min/max (vectorized) instead of GX's per-value ``expect_column_values_to_be_between``,
-which calls a Python function per value and takes seconds on a million rows.
-
-The verdict names every failed expectation with what was observed, one line each, and carries a
-fingerprint of the data (sha256 of every file read, row counts) and, as ``data_schema``, what the
-data is (layout, description with the task and why, train's columns, classes and their shares, the
-schema checked). With ``docs_dir`` GX's own Data Docs (HTML) are built there from the stored
-validation results. ``gate_cached`` keeps a passed verdict for the same bytes, options,
-schema, gate code and GX version.
-
-One module past 400 lines: opening the data, the suite, the two custom expectations it uses, the
-verdict's lines and the key of a kept verdict (which hashes this file) change together; what the
-data must look like lives in training/schema.py.
+``gate`` opens the dataset (training/data/sources.py), takes its schema from ``dataset.json`` or
+infers it from train (training/data/schema.py), runs each split's suite (training/data/expectations.py)
+and returns the verdict: one line per failed expectation with what was observed, the files' sha256s
+and fingerprint, and ``data_schema`` (what the data is); GX Data Docs with ``docs_dir``. Any failure,
+a dataset that cannot be opened or described included, raises ``DataValidationError`` (``.report``).
+``gate_cached`` reuses a passed verdict for the same bytes, options, schema, gate code and GX version.
+Why: docs/decisions/0002-vectorized-gate-checks.md, docs/decisions/0003-keep-passed-gate-verdicts.md.
 """
 
 from __future__ import annotations

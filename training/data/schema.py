@@ -1,24 +1,17 @@
-"""What a dataset must look like, and what it is: the schema the data gate checks and the
-description (``meta``) training reads.
+"""What a dataset must look like, and what it is: the schema the data gate checks
+(``DatasetSchema``) and the description (``meta``) training reads (``describe``).
 
-Two sources:
+- With a ``dataset.json``: its explicit ``schema`` section (``schema_from_meta``; ``describe-data``
+  writes one with ``pinned_meta``), or one derived from the generic fields ``make-data`` writes
+  (``schema_from_fields``); the file says which columns are features and label.
+- Without: ``describe`` picks the label (``label_column``), the features (``feature_columns``,
+  default every other numeric column) and the task (``task=auto``: an integer or boolean label with
+  at most ``MAX_CLASSES`` values in train is classification, else regression); ``infer_schema``
+  checks validation against train: same columns and dtypes, train's classes, values within train's
+  range widened by that range on each side (train [a, b] allows [2a - b, 2b - a]).
 
-- **``dataset.json``** (optional). ``make-data`` writes the generic fields (``kind``, ``features``,
-  ``feature_dtype``, ``feature_range``, ``label``, ``n_classes``) from which ``schema_from_fields``
-  derives a schema; ``describe-data`` (``pinned_meta``) writes the description and an explicit
-  ``schema`` section, for people who want to pin (and tighten) bounds. With a ``dataset.json``
-  the file says which columns are features and label.
-- **The train split** when there is no ``dataset.json``: ``describe`` picks the label
-  (``label_column``), the features (``feature_columns``, default every other numeric column) and
-  the task, and ``infer_schema`` derives the gate's schema from what train holds, so validation is
-  checked against train: the same columns and dtypes, labels among train's classes, values within
-  train's range widened by that range on each side (train [a, b] allows [2a - b, 2b - a]).
-
-The task rule (``task=auto``): a label of integers (or booleans) with at most ``MAX_CLASSES``
-distinct values in train is classification; any other numeric label is regression.
-
-Mistakes a user must fix (a missing label column, a label with nulls or strings, a single class,
-non-numeric features named in ``feature_columns``) raise ``ConfigError`` naming the field.
+A mistake a user must fix (no label column, a label with nulls or strings, a single class,
+non-numeric features) raises ``ConfigError`` naming the field; a bad schema ``SchemaError``.
 """
 
 from __future__ import annotations

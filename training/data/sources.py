@@ -1,38 +1,14 @@
-"""Where a dataset's rows come from: ``dataset_uri`` (a local folder or Parquet file, or
-``s3://bucket/prefix``) resolved to the Parquet files of each split, a local copy of each, their
-sha256 and the data fingerprint; reading a split, and the deterministic split of one table.
+"""Where a dataset's rows come from: ``discover`` resolves ``dataset_uri`` (a local folder or
+Parquet file, or ``s3://bucket/prefix``) to a ``Layout``: the Parquet files of each split, a local
+copy of each with its sha256, and the data ``fingerprint`` over them; ``read_files`` reads a split.
 
-Layouts, tried in this order; none needs a metadata file:
-
-1. ``train/`` and ``validation/`` (or ``val/``) sub-folders of Parquet files (at any depth below;
-   ``training/`` and ``valid/`` are taken too);
-2. files side by side whose names start with ``train`` and with ``val`` or ``validation``
-   (``train.parquet``, ``train-00001.parquet``, ``val.parquet``, ``validation_0.parquet`` ...);
-3. one table: a single Parquet file, or a folder of Parquet parts, split into train and validation
-   by ``validation_fraction``.
-
-A ``dataset.json`` at the root (``python -m training make-data`` and ``describe-data`` write one)
-is the dataset's description (training/schema.py); it does not change the layout.
-
-**The split of one table.** A row goes to validation when a 64-bit hash of its values (every
-column, by name), mixed with ``split_seed``, falls below ``validation_fraction``. A row's side
-depends on its own values and the seed only: appending rows or files, or reordering them, never
-moves an existing row, and exact duplicate rows always land on the same side (no leakage of a
-training row into validation). The share is ``validation_fraction`` in expectation, not exactly.
-
-**S3.** Objects are listed with the store's boto3 client (``training.storage.S3Store``: the same
-``AWS_*`` settings and retries as the checkpoint store; the Airflow side hands it the
-``aws_conn_id`` connection as environment) and downloaded into a local cache keyed by endpoint,
-bucket, key, ETag and size: one download per machine (a lock per object, so the ranks of one node
-share it), checked against the ETag where that is the object's MD5 (single-part uploads), kept
-with its sha256 and reused by later runs while the object is unchanged; a copy that no longer
-hashes to its sha256 is fetched again. Every file read is hashed (sha256) into the fingerprint,
-so the fingerprint covers the bytes actually read, and the ranks compare it with the one the data
-gate recorded. Why a cache of whole objects rather than each rank reading its shard:
-the sampler draws a fresh permutation of *all* train rows every epoch (any rank may need any row)
-and an exact resume on another world size needs the same order; the rows are held in memory
-either way. ``TRAINING_DATA_CACHE`` moves the cache (default ``~/.cache/airflow-distributed-training/data``);
-deleting it is always safe.
+Layouts, tried in this order (none needs a metadata file; a root ``dataset.json`` only describes
+the data, training/data/schema.py): 1. ``train/`` and ``validation/`` (or ``val/``) sub-folders of
+Parquet files; 2. files side by side named ``train*`` and ``val*``/``validation*``; 3. one table
+(a Parquet file or a folder of parts), split by training/data/split.py. A missing ``dataset_uri``
+raises ConfigError; an unusable layout lists its ``problems`` (``Layout.require`` raises).
+S3 objects are fetched whole into a per-machine cache (``TRAINING_DATA_CACHE``, safe to delete):
+docs/decisions/0004-s3-data-whole-objects-cached.md.
 """
 
 from __future__ import annotations
@@ -296,7 +272,7 @@ def _verify_download(path: Path, size: int, etag: str, name: str) -> str:
 
 def read_files(files: list[DataFile]):
     """One Arrow table from the files of a split (their schemas must agree). ParquetFile rather
-    than pq.read_table, whose dataset layer imports pandas (half a second of each rank's start)."""
+    than pq.read_table, whose dataset layer imports pandas (docs/benchmarks.md, "What changed")."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -1,31 +1,16 @@
-"""Dataset generators with a known answer (or a real, well-studied one).
+"""Dataset generators with a known answer, so convergence is judged against a number written next
+to the data (``dataset.json``):
 
-``teacher``: tabular classification. Features are standard normal; the label is the argmax of a
-fixed random two-layer "teacher" network, then with probability ``label_noise`` replaced by a
-uniformly random class. A model that recovers the teacher exactly gets
+- ``teacher``: standard normal features labelled by a fixed random two-layer network, each label
+  replaced by a random class with probability ``label_noise``: ``bayes_accuracy = 1 - label_noise
+  * (C - 1) / C`` is the best any model can reach;
+- ``digits``: scikit-learn's 8x8 handwritten digits (64 columns ``p0..p63``, 10 classes, 80/20);
+- ``markov``: token sequences of a fixed first-order Markov chain over ``vocab`` symbols, started
+  from its stationary distribution; ``loss_floor`` is the chain's entropy rate (nats).
 
-    bayes_accuracy = 1 - label_noise * (C - 1) / C
-
-on fresh data, and no model can do better in expectation, so convergence is judged against a
-number written next to the data (``dataset.json``), not against folklore.
-
-``digits``: the scikit-learn 8x8 handwritten digits (1,797 real images shipped with
-scikit-learn), pixels as 64 columns ``p0..p63`` in 0..16, 10 classes, a fixed 80/20 split.
-
-``markov``: token sequences from a fixed first-order Markov chain over ``vocab`` symbols whose
-rows are drawn from a Dirichlet. Sequences start from the stationary distribution, so every
-next-token prediction has the same best reachable cross-entropy, the chain's entropy rate
-``H = sum_i pi_i * H(P_i)`` (nats), written to ``dataset.json`` as ``loss_floor``.
-
-Every ``dataset.json`` carries the same generic schema keys, so validation and loading are
-generic: ``kind``, ``features`` (columns fed to the model), ``feature_dtype`` (float|int),
-``feature_range``, ``label`` (column or null), ``n_classes``.
-
-Layout (the same for every kind, so storage and validation are generic)::
-
-    {root}/dataset.json                 kind, schema, reachable accuracy, row counts
-    {root}/train/part-00000.parquet
-    {root}/validation/part-00000.parquet
+Every kind writes ``{root}/dataset.json`` (``kind``, ``features``, ``feature_dtype``,
+``feature_range``, ``label``, ``n_classes`` and its answer), ``{root}/train/part-00000.parquet``
+and ``{root}/validation/part-00000.parquet``, so validation and loading stay generic.
 """
 
 from __future__ import annotations

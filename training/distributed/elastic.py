@@ -1,28 +1,13 @@
-"""``python -m training.elastic <torchrun arguments>``: torchrun whose exit status keeps the
-trainer's exit-code contract (training/cli.py), for the pods of the Kubernetes backend.
+"""``python -m training.distributed.elastic <torchrun arguments>``: torchrun (its parser, agent and
+rendezvous) whose exit status keeps the trainer's exit-code contract (training/cli.py), for the
+pods of the Kubernetes backend.
 
-It is torchrun: the same parser, the same ``LocalElasticAgent``, the same rendezvous. Only the
-end differs. torchrun exits 1 whenever a rank failed, so a preempted rank's 75 ("a checkpoint of
-the current step was written; run again to resume") and a rank's 2 ("bad input") never reached
-the container's exit status, which is what a Job's ``podFailurePolicy`` matches. Here:
-
-- the agent's ranks decide. When every rank that failed by itself exited with the same contract
-  code (75 or 2), the agent exits with that code; ranks the agent stopped itself during teardown
-  (SIGTERM or SIGKILL) do not count. Anything else exits 1, as torchrun does.
-- SIGTERM to the agent (the kubelet stopping the pod, ``podman stop``): torchrun forwards it to
-  the ranks and waits up to ``--shutdown-timeout`` for them (they agree on a step, write one
-  checkpoint and exit 75); then this exits 75 if they did, else 143 (128 + SIGTERM).
-- SIGTERM before any rank started (during the first rendezvous): exit 143 at once. torchrun
-  installs its handler only when it starts ranks, and a container's PID 1 ignores a signal it has
-  no handler for, so it would otherwise wait for the SIGKILL at the end of the grace period.
-- a rendezvous that fails (the store on pod 0 unreachable, too few pods within ``join_timeout``)
-  ends with one line naming the cause, the endpoint and the timeout, instead of a traceback. One
-  that never ends (the port answers but not as a c10d store: torch's client then waits for the
-  store's reply without a limit) is ended by a watchdog after read_timeout + join_timeout +
-  last_call_timeout + RDZV_SLACK_S, naming the endpoint too.
-
-The last line it prints starts with ``elastic:`` and says why it exits; it is also written to
-``/dev/termination-log`` where Kubernetes provides one (the pod's termination message).
+Exit status: 0 when the ranks finished; 75 or 2 when every rank that failed by itself exited with
+that code (ranks the agent stopped do not count); on SIGTERM 75 if the ranks checkpointed, else 143
+(at once before any rank started); 1 otherwise, as torchrun. A rendezvous that fails, or outlasts
+its timeouts plus ``RDZV_SLACK_S``, ends with one line naming the cause, endpoint and timeout. The
+last line starts with ``elastic:`` and says why it exits; it also goes to ``/dev/termination-log``.
+Why not plain torchrun: docs/decisions/0007-elastic-launcher-keeps-exit-codes.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ is set: the environment, never the config, so a config file cannot carry a fault
                                            step (fp16: the scaler skips the step)
     TRAINING_FAULT_COMM_DELAY_MS=D         every DDP gradient collective, every FSDP all-gather and
                                            reduce-scatter completes D ms later (a slow network; see
-                                           distributed.CommTimer)
+                                           comm.CommTimer)
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
 
     ddp: DistributedDataParallel with bucketed all-reduce overlapped with backward, gradients as
     views into the buckets (no extra copy), and the chosen (timed) comm hook.
-    fsdp: FSDP2 ``fully_shard`` on every unit from ``models.shard_units`` (the model's
+    fsdp: FSDP2 ``fully_shard`` on every unit from ``models.build.shard_units`` (the model's
     ``fsdp_units``: transformer blocks, the built-ins' linear/conv layers, a user's list; else each
     direct child holding parameters) and then the root; with
     precision=bf16 parameters are all-gathered and computed in bf16, gradients reduced in fp32.

@@ -2,7 +2,7 @@
 
 - fp32: nothing.
 - bf16 with DDP: ``torch.autocast(dtype=bfloat16)``; bf16 has fp32's exponent range, so no scaling.
-  With FSDP, bf16 is applied by FSDP2's MixedPrecisionPolicy instead (see distributed.py).
+  With FSDP, bf16 is applied by FSDP2's MixedPrecisionPolicy instead (see parallel.py).
 - fp16 (DDP only): autocast + ``torch.amp.GradScaler``: the loss is multiplied by the scale before
   backward; a step whose gradients hold inf/nan is skipped and the scale halves; after
   ``growth_interval`` good steps in a row it doubles.

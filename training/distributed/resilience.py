@@ -2,17 +2,15 @@
 
 - ``Preemption``: on SIGTERM all ranks agree on a step, write one checkpoint of it and stop
   (``Preempted``, exit code 75); running the same command again resumes.
-- ``FaultReport``: after a restart, how many steps were lost and how long recovery took
-  (``fault/restarts``, ``fault/steps_lost``, ``fault/recovery_s``).
-- ``ReplicaCheck``: data-parallel replicas must stay bit-identical; checked every
-  ``replica_check_every`` steps.
+- ``ReplicaCheck``: data-parallel replicas must stay bit-identical; checked every ``replica_check_every`` steps.
 - ``Phase``: what this rank is doing right now, so that a failure (a collective timeout says only
   "timed out") names the rank, the operation and the step.
 - ``RankRecord``: each rank's heartbeat (its last completed step, in a memory-mapped file that
   survives a SIGKILL) and, when it fails, what it was doing; the launcher reads them to say which
   rank died or hung and which collective its peers were waiting in.
 
-Test and drill faults that exercise all this are injected by training/faults.py.
+What a restart cost: ``FaultReport`` (training/metrics/recorder.py); faults for tests and drills:
+training/distributed/faults.py.
 """
 
 from __future__ import annotations
@@ -144,11 +142,12 @@ class Preemption:
     """SIGTERM sets a flag; all ranks agree on it at step boundaries (a MAX all-reduce of one
     int), so every rank stops after the same step and they write one consistent checkpoint.
 
-    Even a one-int all-reduce costs about a millisecond on a busy host (and makes every step wait
-    for the slowest rank), ~10% of a small model's step here. So the check runs every ``every``
-    steps, ``every`` chosen at each log window from the slowest rank's step time so that checks
-    are about ``INTERVAL_S`` apart (every step for slow steps, at most ``log_every`` apart); and
-    the all-reduce is launched asynchronously at one check and read at the next, behind compute.
+    Even a one-int all-reduce is a round trip that makes every step wait for the slowest rank, a
+    visible share of a small model's step (docs/benchmarks.md, "Trainer overhead"). So the check
+    runs every ``every`` steps, ``every`` chosen at each log window from the slowest rank's step
+    time so that checks are about ``INTERVAL_S`` apart (every step for slow steps, at most
+    ``log_every`` apart); and the all-reduce is launched asynchronously at one check and read at
+    the next, behind compute.
     A SIGTERM thus stops training at most two intervals plus one step after it arrives, far
     inside the grace period. All ranks compute the same ``every`` from the same all-reduced step
     time, so they always check at the same steps.

@@ -1,7 +1,7 @@
-"""How the figures the trainer logs beside loss are computed: peak FLOP/s for MFU (a measured peak
-is kept per machine), peak memory, time-to-target (``RunClock``, ``target_reached``), goodput
-(``lineage_summary``), MLflow system metrics, and logging each step once (``OnceLogger``). The trainer's telemetry (training/telemetry.py)
-decides when to measure and log them; evaluation during training is training/evaluate.py.
+"""The peaks the trainer's figures are measured against: ``peak_flops`` for MFU (a GPU's datasheet
+figure from ``GPU_PEAK_TFLOPS``, else a measured matmul peak, kept in the run's folder and per
+machine, precision, thread count and torch version) and ``peak_memory_bytes``. The recorder
+(training/metrics/recorder.py) decides when to measure and log them.
 
 Every method is described in docs/architecture.md ("Metrics"); the tests in
 tests/training/test_metrics.py check the figures against ground truths measured outside the trainer.
@@ -24,8 +24,7 @@ from training.util import atomic_write, machine_cache_dir
 if TYPE_CHECKING:
     import torch
 
-# torch is imported inside the functions that use it: OnceLogger and the system metrics also
-# serve the launching process (tracking.RelayReceiver), which never needs torch.
+# torch is imported inside the functions that use it (at module level only for type hints).
 
 # Dense (no sparsity) peak TFLOP/s per GPU from the vendors' datasheets:
 # (bf16 tensor cores, fp16 tensor cores, tf32 tensor cores, plain fp32). None: no such unit.
@@ -67,7 +66,7 @@ def measure_matmul_flops(device: torch.device, precision: str, n: int = 512, rep
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16 if (precision == "fp16" and device.type == "cuda") else torch.float32
     if device.type == "cpu" and dtype != torch.float32:
-        n = min(n, 256)  # CPU half-precision matmuls can be ~100x slower: keep start-up short
+        n = min(n, 256)  # CPU half-precision matmuls are much slower: keep start-up short
     gen = torch.Generator(device=device).manual_seed(0)  # leaves the training RNG streams untouched
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)

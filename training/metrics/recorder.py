@@ -1,18 +1,12 @@
-"""What the trainer reports while it trains: the per-step record (``steps.jsonl``), log windows
-(loss, throughput, data wait, communication, MFU, every ``log_every`` steps to MLflow and as the
-progress line), the start-up lines (what runs, the MFU peak, state bytes per rank) and the run
-summary (goodput, device-hours, peak memory). How each figure is measured is described in
-docs/architecture.md ("Metrics"); the formulas that don't need the trainer are in metrics.py.
-
-Per step it does as little as it can: one record appended to a file it holds open, a few additions
-to the window; everything that needs a collective or a GPU sync waits for the end of the window.
-
-What the MLflow run shows of training: the params (what a person chose; per-run paths and hashes
-are tags), ``train_config.json`` (the resolved config), the series of each window from the second
-window of an attempt on (the first, warm-up window's throughput and communication figures would
-squash every chart: they go to the run summary as ``warmup_*``), the ``progress`` tag with an ETA
-smoothed over windows, the one-off figures as the run summary (``tracking.RunLogger.log_summary``)
-and rank 0's log as ``logs/train.log``.
+"""What the trainer reports while it trains (``MetricsRecorder``): the per-step record
+(``steps.jsonl``), log windows every ``log_every`` steps (loss, throughput, data wait,
+communication, MFU: to MLflow and as the progress line), the start-up lines and the run summary
+(goodput, device-hours, peak memory); ``FaultReport``: after a restart, the steps lost and the
+recovery time (``fault/*``). Per step it only appends a record to a file it holds open and adds to
+the window; anything needing a collective or a GPU sync waits for the window's end. The speed
+figures of an attempt's first (warm-up) window go to the summary (``warmup_*``), not the series, so
+they do not squash the charts. Formulas: training/metrics/formulas.py; how each figure is measured:
+docs/architecture.md ("Metrics").
 """
 
 from __future__ import annotations

@@ -1,2 +1,2 @@
 """Models: the spec that rebuilds one anywhere (``spec``), the built-in families (``builtin``),
-building, checking and wrapping a model (``build``) and its loss (``loss``)."""
+building, checking and wrapping a model (``build``) and its loss (``loss``). Imports ``config`` only."""

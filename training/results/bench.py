@@ -1,21 +1,16 @@
 """Benchmark sweep: world size x strategy x precision x comm_hook x DDP bucket size, one child
-MLflow run per point under one parent run, then the comparison report (training.compare) logged
-to the parent and a table of each point's medians printed.
+MLflow run per point under one parent run, then the comparison report (training/results/compare.py)
+logged to the parent and a table of each point's medians printed.
 
     python -m training bench --dataset-uri var/data/teacher --worlds 1 2 --strategies ddp fsdp \\
         --precisions fp32 bf16 --comm-hooks none fp16 --steps 100 --out var/bench
-    python -m training bench --dataset-uri var/data/markov --model transformer --hidden 256 --depth 4 \\
-        --worlds 2 --bucket-caps 25 1 --comm-hooks none fp16 --repeats 3 --batch-size 32 --steps 60
 
-``--repeats N`` runs the whole grid N times, one round after another, so that the points of one
-round alternate and a drift in the machine's load hits all of them; the table shows the median
-over the rounds of each run's median after its first (warm-up) log window.
-
-Each point is a real ``torchrun`` launch of ``python -m training train`` whose rank 0 logs into
-its child run (``MLFLOW_RUN_ID``); children carry the tag ``mlflow.parentRunId`` so the MLflow UI
-nests them. Points the trainer would refuse (fp16 with fsdp, a comm hook with fsdp, bf16
-compression without CUDA) are skipped with the reason, before anything starts. Run again with the
-same parent and finished points are not run twice.
+Each point is a real ``torchrun`` launch of ``python -m training train`` logging into its child run
+(tag ``mlflow.parentRunId``, so the UI nests them). Points the trainer would refuse (fp16 or a comm
+hook with fsdp, bf16 compression without CUDA) are skipped with the reason before anything starts;
+run again with the same parent and finished points are not run twice. ``--repeats N`` runs the grid
+N times, one round after another, so a drift in the machine's load hits every point alike; the
+table shows the median over the rounds of each run's median after its warm-up window.
 """
 
 from __future__ import annotations

@@ -3,19 +3,13 @@
     python -m training compare --experiment distributed_training --last 5 --out var/reports/compare
     python -m training compare --experiment distributed_training --runs RUN_ID RUN_ID --out DIR
 
-Reads everything through ``MlflowClient`` (any tracking URI: SQLite file, ``mlflow server``).
-Writes into ``--out``:
-
-- ``report.md`` / ``report.html``: one row per run with the params that differ between the runs
-  and the key figures: throughput, communication per step, evaluation, wall time, time to target;
-- ``scaling.png``: throughput and scaling efficiency against world size, where efficiency is the
-  per-rank throughput at N ranks over the per-rank throughput at 1 rank of the same configuration;
-- ``step_time.png``: each run's step split into compute and communication;
-- ``loss.png``: ``train/loss`` curves overlaid;
-- ``time_to_target.png``: when runs recorded ``time_to_target_s`` (in their run summary).
-
-Throughput and communication are the median over the run's logged intervals (robust to the
-first, warm-up interval); evaluation figures are the last logged values.
+Reads through ``MlflowClient`` (any tracking URI) and writes into ``--out``: ``report.md`` /
+``report.html`` (one row per run: the params that differ, throughput, communication per step,
+evaluation, wall time, time to target), ``scaling.png`` (throughput and scaling efficiency: per-rank
+throughput at N ranks over that at 1 rank of the same configuration), ``step_time.png`` (compute vs
+communication), ``loss.png`` and, when runs recorded it, ``time_to_target.png``. Throughput and
+communication are the median over a run's logged intervals (robust to the warm-up interval);
+evaluation figures are the last logged values.
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ from training.results.plots import figure, save
 from training.tracking.run import summary_of
 
 # (metric, column title, how a run's history becomes one number; "summary": a one-off figure of the
-# run summary, training.tracking.summary_of)
+# run summary, training.tracking.run.summary_of)
 KEY_METRICS = [
     ("perf/samples_per_s", "samples/s", "median"),
     ("perf/step_s", "step (ms)", "median"),

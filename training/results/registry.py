@@ -3,27 +3,12 @@
     version = register_and_gate(run_id=RUN, model_dir="step_00000300/", registered_model="demo",
                                 metric_value=0.81, margin=0.005, example_inputs=x[:5], step=300)
 
-The model is rebuilt from ``model.safetensors`` + ``model_config.json`` (no pickle), logged with
-``mlflow.pytorch.log_model`` in the ``pt2`` format (``torch.export``: a traced graph, loading it
-runs no pickled code) with an input example and a signature, and registered as a new version of
-``registered_model``. The two source files travel with it (``extra_files``), so the registry
-holds the exact bytes the pipeline verified.
-
-The gate: the new version takes the alias ``champion`` when its gate metric (``gate_metric``:
-``eval/accuracy`` for classification and ``eval/r2`` for regression unless the run names another;
-a loss or an RMSE must be lower) beats the current champion's by more than ``margin`` (or when
-there is no champion yet); otherwise it is tagged ``challenger``. The alias ``challenger`` then
-goes to the best version that is not the champion, by the recorded gate metric (ties: the newer
-version): the runner-up to beat, not whichever model lost last (a 20-step smoke test would
-otherwise displace a strong contender). Either way the run and the version carry the decision and
-the reason (tags ``registry.decision`` / ``registry.reason``; ``registry.aliases`` says both
-aliases' versions and numbers, which the run's description shows), so the MLflow UI answers "why
-is this not the champion?".
-
-Retries are idempotent: a run that already has a version of ``registered_model`` reuses it, and
-a version that already carries a decision keeps it. Two runs gating the same registered model at
-the same moment can both read the old champion; the later alias write wins. Run gates of one
-registered model one at a time (the DAGs use ``max_active_runs=1``).
+The model is rebuilt from ``model.safetensors`` + ``model_config.json`` (no pickle), logged in
+MLflow's ``pt2`` format (``torch.export``) with an input example, a signature and the two source
+files, and registered as a version of ``registered_model``. It becomes ``champion`` when its gate
+metric beats the champion's by more than ``margin``; ``challenger`` names the best other version.
+The decision and reason are tagged on version and run (``registry.*``). Retries are idempotent;
+gates of one registered model must run one at a time. Why: docs/decisions/0005-champion-gate-and-challenger.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The pages and pictures each MLflow run carries beside its metrics, for a person reading the run:
 
-- ``data_gate_page``: one self-contained HTML page of the data gate's verdict (rows, failed
-  expectations, schema, fingerprint), logged as ``data_gate.html`` next to Great Expectations'
-  Data Docs (whose pages, five folders deep, render unstyled in MLflow's artifact viewer);
-- ``evaluation_report`` / ``evaluation_files``: the evaluation of the final model, keyed by the
-  dataset's task (``classification``: per-class precision, recall, F1 and a confusion matrix),
-  logged under ``evaluation/``;
-- ``run_plots``: the run's curves as PNGs under ``plots/`` (loss and evaluation; throughput and
-  the step-time split into compute and exposed communication), drawn from the run's own metric
-  history with the comparison report's figure set-up (training/compare.py).
+- ``data_gate_page``: the data gate's verdict on one self-contained HTML page (``data_gate.html``,
+  beside GX's Data Docs, whose pages render unstyled in MLflow's artifact viewer);
+- ``evaluation_report`` / ``evaluation_files``: the final model's evaluation by the dataset's task
+  (classification: per-class precision, recall, F1 and a confusion matrix), under ``evaluation/``;
+- ``run_plots``: the run's curves as PNGs under ``plots/`` (loss and evaluation; throughput and the
+  step time split into compute and exposed communication), with the figure set-up of
+  training/results/compare.py.
 
 Plain HTML with inline styles (no scripts, no external files): MLflow's viewer shows it as is.
 """
@@ -41,7 +39,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def data_gate_page(report: dict[str, Any]) -> str:
-    """The data gate's verdict on one page (``report``: training.validation.validate's)."""
+    """The data gate's verdict on one page (``report``: training.data.gate.validate's)."""
     ok = report.get("success")
     verdict = '<p class="ok">PASSED</p>' if ok else f'<p class="bad">FAILED: {len(report["failures"])} expectations</p>'
     parts = [verdict, f"<p>Dataset <code>{html.escape(str(report.get('dataset_uri', '')))}</code>, fingerprint "

@@ -1,6 +1,7 @@
 """Object stores: one small interface (``Store``, ``store/base.py``) for ``file://`` folders
 (``store/file.py``) and ``s3://`` buckets (``store/s3.py``), and ``open_store``, which picks one
-from a URI. Data reading and the checkpoint code build on it and never ask which store they have.
+from a URI (``check_writable`` tries it once, before anything is computed). Data reading and the
+checkpoint code build on it and never ask which store they have. Imports ``config`` and ``util`` only.
 """
 
 from __future__ import annotations

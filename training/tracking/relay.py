@@ -29,7 +29,7 @@ class RelayLogger:
     ``RunLogger`` method, called here, becomes one ``@@mlflow {"call": name, "args": [...],
     "kwargs": {...}}`` line on stdout, which ``RelayReceiver`` replays on its ``RunLogger`` (so a
     method added to ``RunLogger`` is relayed without a change here). Metrics logged through
-    ``metrics.OnceLogger`` are sent as ``log_metrics_once``: the receiving end, which can read the
+    ``run.OnceLogger`` are sent as ``log_metrics_once``: the receiving end, which can read the
     run, skips steps the run already has. ``run_id`` stays None: the launcher samples the system
     metrics. Calls whose one argument is a mapping of independent keys (params, tags, metrics) are
     split so that every line stays under PIPE_BUF and is written by one ``write()``."""
@@ -79,7 +79,7 @@ def _chunks(items: dict[str, Any]):
 class RelayReceiver:
     """The launcher's end of ``RelayLogger``: ``handle(line)`` replays a relayed call on the run
     (and says it did), other lines are the caller's. ``log_metrics_once`` goes through
-    ``metrics.OnceLogger``, which reads the run's logged steps once per metric (an earlier task
+    ``run.OnceLogger``, which reads the run's logged steps once per metric (an earlier task
     try's too) and skips the steps a restarted rank group replays. Samples the system metrics
     while it is open."""
 

@@ -1,28 +1,13 @@
 """MLflow logging: one run per DAG run, written through ``MlflowClient`` (no global active run).
 
-The run id travels as ``MLFLOW_RUN_ID`` and the store as ``MLFLOW_TRACKING_URI`` (MLflow's own
-variable names). Only rank 0 logs (``RunLogger``); every other rank, and a process started by
-hand without a run id, gets a ``NullLogger`` with the same methods.
-
-What a person sees of a run is set here too:
-
-- the experiment is a model-training experiment (``mlflow.experimentKind``), so the UI opens on
-  its runs table, and carries a shared view (``TRAINING_VIEW``: loss, evaluation and throughput
-  columns) that the URLs from ``experiment_url`` / ``run_url`` open;
-- one-off figures (wall times, goodput, peak memory, time to target) are not metrics, which the UI
-  would draw as single dots: ``log_summary`` keeps them in the ``summary.json`` artifact
-  (``read_summary``) and the headline ones as ``summary.<name>`` tags (``summary_of``);
-- ``progress``: a tag the trainer keeps current (step/total, %, smoothed ETA);
-- ``log_dataset``: the data as an MLflow dataset input (name, fingerprint, schema, rows);
-- ``describe``: the run's description (``mlflow.note.content``), the first thing its page shows:
-  the Airflow run (link and note), status and failure reason, key figures, plots, registry aliases.
-
-When the launching process already holds an MLflow client (the local backend's ``train`` task)
-it sets ``TRAINING_MLFLOW_RELAY=stdout``: rank 0 then gets a ``RelayLogger``, which writes each
-call as one line on stdout, and the launcher's ``RelayReceiver`` applies the lines to the run.
-Rank 0 never imports MLflow, pandas or SQLAlchemy nor opens a second connection to the store
-(1.3-2.3 s of every rank group's start-up on a 2-core machine, while the other ranks wait), and
-the run gets the same params, metrics and tags. Pods and runs by hand log directly.
+``open_run`` returns the run of a DAG run (found by its ``airflow.*`` tags, so a retry re-opens it);
+the run id travels as ``MLFLOW_RUN_ID``, the store as ``MLFLOW_TRACKING_URI``. ``RunLogger`` is rank
+0's logger: params, metrics (``OnceLogger``: each step once, whatever restarts replay), tags,
+artifacts, the ``progress`` tag, ``log_dataset``, and ``log_summary`` for one-off figures
+(``summary.json`` and ``summary.<name>`` tags: as metrics the UI would draw single dots). Other
+ranks, and a process without a run id, get ``NullLogger`` (same methods; see relay.py's ``logger_for``).
+The experiment opens on its runs table with a shared view (``TRAINING_VIEW``, ``run_url``).
+Why rank 0 may relay its calls instead: docs/decisions/0006-relay-rank0-mlflow-over-stdout.md.
 """
 
 from __future__ import annotations
@@ -283,7 +268,7 @@ class OnceLogger:
         return self._seen[key]
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> dict[str, float]:
-        if getattr(self.logger, "skips_logged_steps", False):  # tracking.RelayLogger: the receiving end reads the run
+        if getattr(self.logger, "skips_logged_steps", False):  # relay.RelayLogger: the receiving end reads the run
             self.logger.log_metrics_once(metrics, step=step)
             return metrics
         new = {k: v for k, v in metrics.items() if step not in self._steps(k)}

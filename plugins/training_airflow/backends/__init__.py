@@ -1,16 +1,15 @@
 """Backends: where the ranks run. Each is a module with the same contract:
 
-- ``train_and_commit(validated: XComArg[Validated]) -> XComArg[Handoff]``: a TaskGroup that trains and
-  commits the final checkpoint to the store, handing on the same keys whatever the backend
+- ``train_and_commit(validated: XComArg[Validated]) -> XComArg[Handoff]``: a TaskGroup that trains
+  and commits the final checkpoint to the store, handing on the same keys whatever the backend
   (``handoff.Handoff``);
-- ``check_params(params) -> int``: the backend's own rules, checked by ``validate_data`` before
-  anything runs; returns the largest world size the run may have;
+- ``check_params(params) -> int``: the backend's own rules, checked by ``open_run`` before anything
+  runs; returns the largest world size the run may have;
 - ``PARAMS``: the dataclass of its fields in the trigger form, or None.
 
-``local``: torchrun as a child of the Airflow task. ``kubernetes``: an Indexed Job of pods through
-the cncf-kubernetes provider's operators. The deployment chooses which exist (``TRAINING_BACKENDS``,
-read when the DAGs are parsed): a DAG holds only the enabled backends' task groups, and with more
-than one a branch follows the Param ``backend`` into one of them.
+``local``: torchrun as a child of the Airflow task. ``kubernetes``: an Indexed Job of pods. The
+deployment chooses which exist (``TRAINING_BACKENDS``, read when the DAGs are parsed); with more
+than one, a branch follows the Param ``backend`` into one of them.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """The local backend: ``torchrun`` as a child process of the Airflow task, on the worker.
 
-Task group ``local`` (task ids kept as they were before the groups: ``train``, ``upload_checkpoint``):
+Task group ``local`` (task ids ``train`` and ``upload_checkpoint``, as before the groups existed):
 
-- ``train``: writes the run's ``train_config.json`` and starts ``torchrun --nproc-per-node
-  world_size`` in its own process group; every output line goes to the task log, except rank 0's
-  relayed MLflow calls, which this task applies to the run (``training.tracking.RelayReceiver``,
-  so the ranks never load MLflow); a non-zero exit fails the task with the failing rank's error.
-  With ``checkpoint_location=store`` (the default) the ranks commit every checkpoint straight to
-  ``{store_uri}/{experiment}/{mlflow run id}``, so a retry resumes from the store on any worker,
-  even one with an empty disk; with ``local`` they write to the work folder (keyed by the MLflow
-  run id) and a retry resumes only on this worker.
-- ``upload_checkpoint``: hands on the ``Handoff`` of the committed final checkpoint. In the store
-  case the ranks committed it already: the task reads ``latest`` back and checks it names the
-  final step. In the local case it commits the final checkpoint folder (objects, manifest, then
-  ``latest``).
-
-torchrun is the launcher; this module only builds its command line (``training.launch``), forwards
-its output and makes sure no rank outlives the task.
+- ``train``: writes the run's ``train_config.json`` and starts ``torchrun --nproc-per-node world_size``
+  in its own process group (command line: training/distributed/launch.py); every output line goes to
+  the task log, except rank 0's relayed MLflow calls, which it applies to the run
+  (training/tracking/relay.py); a non-zero exit fails the task with the failing rank's error
+  (``TrainingFailed``), and no rank outlives the task. With ``checkpoint_location=store`` (default)
+  the ranks commit to ``{store_uri}/{experiment}/{mlflow run id}`` and a retry resumes on any worker;
+  with ``local`` they write to the work folder and a retry resumes only on this worker.
+- ``upload_checkpoint``: hands on the ``Handoff`` of the final commit: reads ``latest`` back and
+  checks it names the final step (store), or commits the final checkpoint folder (local).
 """
 
 from __future__ import annotations
@@ -77,8 +71,8 @@ def rank_env(nproc: int, extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def cuda_available() -> bool:
-    """``torch.cuda.is_available()``, without importing torch (a second or more) on a worker that
-    has no NVIDIA driver at all."""
+    """``torch.cuda.is_available()``, without importing torch (slow: docs/benchmarks.md) on a worker
+    that has no NVIDIA driver at all."""
     if not (Path("/proc/driver/nvidia").exists() or any(Path("/dev").glob("nvidia[0-9]*"))):
         return False
     import torch
@@ -90,7 +84,7 @@ def run_streaming(cmd: list[str], *, env: dict[str, str], cwd: str | Path, tail_
                   relay_run_id: str | None = None) -> LaunchResult:
     """Run ``cmd`` in its own process group, log each output line, kill the group on exit.
 
-    With ``relay_run_id`` the lines rank 0 relays (``training.tracking.RelayLogger``) are applied
+    With ``relay_run_id`` the lines rank 0 relays (``training.tracking.relay.RelayLogger``) are applied
     to that MLflow run here instead of being logged; the ranks are started first, so this
     process's MLflow set-up overlaps their start."""
     log.info("launching: %s", " ".join(cmd))

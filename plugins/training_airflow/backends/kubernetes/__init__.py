@@ -1,20 +1,15 @@
 """The Kubernetes backend: the same ``python -m training`` entry points as N pods, through the
-cncf-kubernetes provider's own operators (no scheduler of our own). docs/architecture.md
-("Kubernetes backend") explains the objects; this package is split by concern:
-
-- ``params.py``: its fields of the trigger form (declared once);
-- ``spec.py``: pure spec building (names, Service, Indexed Job, upload pod; Params in, operator
-  arguments out);
-- ``checks.py``: the rules checked before anything exists on the cluster;
-- ``operators.py``: the provider's operators, given their arguments when the task runs, and the
-  worker-side confirmation of the commit.
+cncf-kubernetes provider's own operators (no scheduler of our own). Modules: ``params`` (its fields
+of the trigger form), ``spec`` (pure spec building: Params in, operator arguments out), ``checks``
+(rules checked before anything exists on the cluster), ``watch`` (why a Job does not get anywhere),
+``operators`` (the provider's operators, given their arguments when the task runs, and the
+worker-side confirmation of the commit). docs/architecture.md ("Kubernetes backend") explains the objects.
 
 Task group ``kubernetes``: ``create_rendezvous_service`` (setup) -> ``train_on_kubernetes`` (the
-Indexed Job) -> ``upload_on_kubernetes`` (with ``checkpoint_location=local``, a pod commits the
-final checkpoint from the PVC to the s3:// store; with ``store``, the ranks did, and it is
-skipped) -> ``confirm_commit`` (the worker reads the commit back); ``delete_rendezvous_service``
-is the teardown of the Service: it runs whatever happened to the Job once the Service was
-created, and a failed teardown does not fail the DAG run.
+Indexed Job) -> ``upload_on_kubernetes`` (a pod commits the final checkpoint from the PVC with
+``checkpoint_location=local``; skipped with ``store``) -> ``confirm_commit`` (the worker reads the
+commit back); ``delete_rendezvous_service`` is the teardown: it runs whatever happened to the Job
+once the Service exists, and a failed teardown does not fail the DAG run.
 """
 
 from __future__ import annotations
@@ -28,9 +23,9 @@ from airflow.sdk import TaskGroup, TriggerRule, task
 from training_airflow.backends.kubernetes.params import KubernetesParams
 
 PARAMS = KubernetesParams
-# checks and operators import the kubernetes client and the provider (about half a second): only
-# where they are used, so that reading this backend's form fields (params.run_tags in every run's
-# first task) stays cheap.
+# checks and operators import the kubernetes client and the provider (slow: docs/benchmarks.md): only
+# where they are used, so that reading this backend's form fields (training_airflow.params.run_tags
+# in every run's first task) stays cheap.
 
 
 def check_params(params: dict[str, Any]) -> int:

@@ -1,4 +1,4 @@
-"""Checks of a Kubernetes run before anything exists on the cluster (``validate_data`` calls them).
+"""Checks of a Kubernetes run before anything exists on the cluster (``open_run`` calls them).
 
 Each field's own type, pattern and limits come from its declaration (``params.KubernetesParams``)
 and are checked again here, since a Param set through ``dag.test`` or an old run's conf never

@@ -1,4 +1,4 @@
-"""The Kubernetes backend's fields of the trigger form, declared once (``training.fields.knob``).
+"""The Kubernetes backend's fields of the trigger form, declared once (``training.config.fields.knob``).
 
 Nothing cluster-specific is hard-coded elsewhere. Each field's own pattern and limits are checked
 by the form (and Airflow's REST API) when a run is created; rules between fields (limits >=

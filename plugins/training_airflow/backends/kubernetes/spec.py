@@ -1,22 +1,15 @@
 """Pure spec building of the Kubernetes backend: names, the Service, the Indexed Job and the
 upload pod as the cncf-kubernetes provider's operators take them. Params in, operator arguments
 out: no cluster, no Airflow context, so tests build the real objects through the real operators.
+One module past 400 lines because the three objects of a run share its ``Names``, image, security
+settings, volumes and S3 environment, and change together.
 
-One training run on a cluster is a headless Service (``clusterIP: None``) that gives every
-training pod a stable DNS name; an Indexed Job (``completions = parallelism = k8s_nnodes``) whose
-pod ``i`` gets the hostname ``<job name>-<i>`` and, with ``subdomain`` = the Service, the DNS name
-``<job name>-<i>.<service>.<namespace>.svc.<cluster domain>``: every pod runs torchrun with the
-c10d rendezvous on pod 0's name, so no pod needs another one's IP address.
-
-Where checkpoints go (Param ``checkpoint_location``):
-
-- ``store`` (default): every rank commits each checkpoint straight to the run's place in the
-  ``s3://`` store; a replacement pod or a retried Job resumes from there. No checkpoint volume
-  (no ReadWriteMany storage class needed) and no upload pod: the final checkpoint is committed
-  when the Job ends. The pods' writable ``/tmp`` (``k8s_scratch_size``) holds what a rank
-  downloads to resume.
-- ``local``: the ReadWriteMany PVC ``k8s_checkpoint_pvc`` at ``/checkpoints`` in every pod; an
-  upload pod mounts it read-only and commits the final checkpoint to the store.
+A headless Service gives pod ``i`` of the Job (``completions = parallelism = k8s_nnodes``) the name
+``<job name>-<i>.<service>.<namespace>.svc.<cluster domain>``; every pod runs ``LAUNCHER`` with the
+c10d rendezvous on pod 0's name. ``checkpoint_location=store`` (default): the ranks commit to the
+``s3://`` store, no volume, no upload pod; ``local``: checkpoints on the ReadWriteMany PVC
+``k8s_checkpoint_pvc`` at ``/checkpoints``, the final one committed by the upload pod.
+docs/architecture.md ("Kubernetes backend") explains the objects.
 """
 
 from __future__ import annotations
@@ -43,13 +36,13 @@ BASE_CONTAINER = KubernetesPodOperator.BASE_CONTAINER_NAME  # "base": the provid
 CHECK_CONTAINER = "check-config"
 RUN_UID = 10001  # the non-root user of docker/training.Dockerfile
 # The exit-code contract of `python -m training` (training/cli.py), carried to the pod's status by
-# the launcher (training/elastic.py: torchrun itself reports every failed rank as 1):
+# the launcher (training/distributed/elastic.py: torchrun itself reports every failed rank as 1):
 # 2 bad input: the FailJob rule fails the Job at once. The trainer's own parser (`train
 #   --print-config`) first runs in an init container, so a bad config never starts torchrun;
 #   torchrun exits 2 on bad command-line arguments, which the same rule covers.
 # 75 preempted: the ranks wrote a checkpoint of the current step. The Ignore rule replaces the pod
 #   without counting it against backoffLimit, and the replacement resumes from that checkpoint.
-# What the training container runs: torchrun's agent with the exit-code contract (training/elastic.py).
+# What the training container runs: torchrun's agent with the exit-code contract (training/distributed/elastic.py).
 LAUNCHER = ["python", "-m", "training.distributed.elastic"]
 # Seconds each layer of a preempted pod keeps back from the one above it: the agent stops waiting
 # for its ranks this long before the kubelet's SIGKILL, and the ranks give up this long before the
@@ -389,7 +382,7 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
 
 
 def final_checkpoint_dir(params: dict[str, Any], names_: Names) -> str:
-    """The trainer always ends at `steps` and names the folder step_XXXXXXXX (training/checkpoint.py)."""
+    """The trainer always ends at `steps` and names the folder step_XXXXXXXX (training/checkpoint/commit.py)."""
     return f"{names_.run_dir}/checkpoints/step_{int(params['steps']):08d}"
 
 

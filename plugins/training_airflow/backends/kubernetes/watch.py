@@ -5,8 +5,9 @@ The provider's operator waits for the Job to finish. A Job whose pods can never 
 finish until ``activeDeadlineSeconds`` (a day by default): a node selector no node matches keeps
 its pods Pending, a missing image keeps them in ImagePullBackOff. ``stuck`` names such a cause
 once it is certain (an invalid image name) or has lasted ``k8s_startup_timeout_s``. A pod that ran
-and failed ends with the launcher's termination message (training/elastic.py: a rendezvous that
-failed names the endpoint and the timeout); ``failure`` collects those when the Job has failed.
+and failed ends with the launcher's termination message (training/distributed/elastic.py: a
+rendezvous that failed names the endpoint and the timeout); ``failure`` collects those when the
+Job has failed.
 """
 
 from __future__ import annotations
