@@ -6,17 +6,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ROOT := $(CURDIR)
 
-export AIRFLOW_HOME ?= $(ROOT)/.airflow
-export AIRFLOW__CORE__DAGS_FOLDER := $(ROOT)/dags
-export AIRFLOW__CORE__PLUGINS_FOLDER := $(ROOT)/plugins
-export AIRFLOW__CORE__LOAD_EXAMPLES := False
-export MLFLOW_TRACKING_URI ?= sqlite:///$(ROOT)/var/mlflow/mlflow.db
-export PYTHONPATH := $(ROOT)/plugins$(if $(PYTHONPATH),:$(PYTHONPATH))
-export GLOO_SOCKET_IFNAME ?= lo
-# Parquet/GX/MLflow print progress bars and telemetry notices we do not want in task logs.
-export GX_ANALYTICS_ENABLED := False
-export MLFLOW_ENABLE_TELEMETRY := false
-export DO_NOT_TRACK := true
+# The project's environment (AIRFLOW_HOME, the DAG and plugin folders, MLFLOW_TRACKING_URI, PYTHONPATH,
+# gloo on loopback, no telemetry) is written once, in scripts/project_env.py: the scripts apply it
+# themselves (so the README's commands work from any shell), the other commands here run through it.
+# A variable set in your shell wins.
+WITH_ENV := $(BIN)/python scripts/project_env.py
 
 .PHONY: install demo test test-fast airflow-up airflow-down mlflow-ui compare screenshots chromium podman images stack-check clean help docs
 
@@ -51,11 +45,11 @@ demo: $(STAMP)
 # 14). tests/conftest.py keeps the live stack and the image on one worker each.
 PYTEST_WORKERS ?= 3
 test: $(STAMP) chromium podman
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
+	$(WITH_ENV) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
 
 # The tests not marked slow (no live Airflow, no full DAG runs): a few minutes, for a quick check.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
+	$(WITH_ENV) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
 
 # The web-UI test drives Debian's chromium headless. Installed here when missing and we may.
 chromium:
@@ -96,16 +90,16 @@ images: $(STAMP)
 # checkpoint checked, the stack and its volumes removed. By hand, not in `make test`: 6 to 8
 # minutes on two cores the first time, under 3 after (docs/operations.md).
 stack-check: $(STAMP) podman
-	$(BIN)/python scripts/stack_check.py
+	$(WITH_ENV) $(BIN)/python scripts/stack_check.py
 
 EXPERIMENT ?= distributed_training
 LAST ?= 10
 compare: $(STAMP)
-	$(BIN)/python -m training compare --experiment $(EXPERIMENT) --last $(LAST) --out var/reports/$(EXPERIMENT)
+	$(WITH_ENV) $(BIN)/python -m training compare --experiment $(EXPERIMENT) --last $(LAST) --out var/reports/$(EXPERIMENT)
 	@echo "open var/reports/$(EXPERIMENT)/report.html"
 
 screenshots: $(STAMP) chromium
-	UPDATE_SCREENSHOTS=1 $(BIN)/python -m pytest -q tests/e2e/test_live_ui.py
+	UPDATE_SCREENSHOTS=1 $(WITH_ENV) $(BIN)/python -m pytest -q tests/e2e/test_live_ui.py
 
 airflow-up: $(STAMP)
 	$(BIN)/python scripts/airflow_local.py up
@@ -117,9 +111,9 @@ airflow-down:
 # a server creating them itself races with tasks that start at the same time.
 mlflow-ui: $(STAMP)
 	mkdir -p var/mlflow
-	$(BIN)/python -c "from training_airflow import settings; settings.ensure_tracking_uri()"
-	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server --host 127.0.0.1 --port 5000 \
-	  --backend-store-uri $(MLFLOW_TRACKING_URI) --default-artifact-root $(ROOT)/var/mlflow/artifacts
+	$(WITH_ENV) $(BIN)/python -c "from training_airflow import settings; settings.ensure_tracking_uri()"
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(WITH_ENV) sh -c 'exec $(BIN)/mlflow server --host 127.0.0.1 \
+	  --port 5000 --backend-store-uri "$$MLFLOW_TRACKING_URI" --default-artifact-root $(ROOT)/var/mlflow/artifacts'
 
 clean:
 	rm -rf var .airflow

@@ -12,11 +12,16 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import project_env
+
+project_env.apply()  # AIRFLOW_HOME, the DAG and plugin folders, PYTHONPATH: this checkout's, unless set
+
+from training.util import wait_for_port  # noqa: E402 (this checkout's, now first on the path)
 
 ROOT = Path(__file__).resolve().parents[1]
 HOME = Path(os.environ.get("AIRFLOW_HOME", ROOT / ".airflow"))
@@ -33,9 +38,6 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         AIRFLOW_HOME=str(HOME),
-        AIRFLOW__CORE__DAGS_FOLDER=str(ROOT / "dags"),
-        AIRFLOW__CORE__PLUGINS_FOLDER=str(ROOT / "plugins"),
-        AIRFLOW__CORE__LOAD_EXAMPLES="False",
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS="admin:admin",
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE=str(HOME / "passwords.json"),
         AIRFLOW__API__BASE_URL=f"http://127.0.0.1:{PORT}",
@@ -43,7 +45,6 @@ def _env() -> dict[str, str]:
     )
     # A task's first call to a cold api-server can take longer than the 5 s default on a small machine.
     env.setdefault("AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT", "60")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), env.get("PYTHONPATH")]))
     return env
 
 
@@ -84,13 +85,9 @@ def up() -> int:
                                 start_new_session=True, cwd=ROOT)
         pf.write_text(str(proc.pid))
         print(f"{name}: started (pid {proc.pid}, log .airflow/logs/{name}.log)")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", PORT)) == 0:
-                break
-        time.sleep(1)
-    else:
+    try:
+        wait_for_port(PORT, timeout=120)
+    except TimeoutError:
         print("api-server did not open its port within 120 s; see .airflow/logs/api-server.log")
         return 1
     password = json.loads(pw_file.read_text())["admin"]

@@ -24,11 +24,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import project_env
+
+project_env.apply()  # before anything imports Airflow or MLflow: both read their settings on import
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONF = {"target_metric": "eval/accuracy", "target_value": 0.8}
@@ -57,13 +60,21 @@ def main() -> int:
     args = parser.parse_args()
     conf = dict(DEMO_CONF)
     for item in args.set:
-        key, _, raw = item.partition("=")
+        key, sep, raw = item.partition("=")
+        if not sep:
+            parser.error(f"--set {item!r} has no '=': write --set key=value")
         try:
             conf[key] = json.loads(raw)
         except json.JSONDecodeError:
             conf[key] = raw
+    # A name that is not a Param would be ignored by the run: refused before anything runs.
+    from training_airflow.conf_check import unknown_fields_error
+    from training_airflow.params import training_params
 
-    sys.path.insert(0, str(ROOT / "plugins"))
+    if error := unknown_fields_error(conf, training_params(), dag_id="distributed_training"):
+        print(f"demo.py: --set: {error}", file=sys.stderr)
+        return 2
+
     from training_airflow import settings
 
     tracking_uri = settings.ensure_tracking_uri()
@@ -146,5 +157,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
     sys.exit(main())

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from training_airflow import backends, lifecycle, links, settings
+from training_airflow.conf_check import check_conf
 from training_airflow.connections import store_env
 from training_airflow.failures import fails_fast
 from training_airflow.handoff import Handoff, RunOpened, Validated
 from training_airflow.mlflow_run import run_logger
 from training_airflow.run_config import data_options, train_config
-from training_airflow.params import run_tags
+from training_airflow.params import run_tags, training_params
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,10 @@ def open_run(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_ur
 
     ``dataset_uri`` (from the asset event of a data-driven run) replaces the Param; later tasks
     get the resolved folder through ``RunOpened``. ``dag_run`` (the task context's) gives the MLflow
-    run the link back to Airflow. Earlier runs of this DAG that were cancelled are marked KILLED."""
+    run the link back to Airflow, and its conf is checked first: a key that is not a Param (a run
+    made past the api-server's check: ``airflow dags trigger --conf``, TriggerDagRunOperator) fails
+    the run here. Earlier runs of this DAG that were cancelled are marked KILLED."""
+    check_conf(getattr(dag_run, "conf", None), training_params(), dag_id=dag_id)  # Airflow let it in unchecked
     settings.ensure_tracking_uri()
     from training.config.train_config import check_path_part
     from training.store import check_writable
@@ -200,7 +204,7 @@ def evaluate(params: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
 
 def _log_evaluation_report(logger, report: dict[str, Any], step: int) -> None:
     """evaluation/: report.html (a classifier's per-class precision and recall and its confusion
-    matrix; a regressor's residuals), report.json and the pictures (training/reports.py)."""
+    matrix; a regressor's residuals), report.json and the pictures (training/results/reports.py)."""
     from training.results.reports import evaluation_files
 
     with tempfile.TemporaryDirectory(prefix="evaluation-") as tmp:

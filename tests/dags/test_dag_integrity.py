@@ -65,3 +65,11 @@ def test_params_are_typed_and_titled(bag):
         assert required in params
     for name, schema in params.items():
         assert schema.get("type") and schema.get("title") and schema.get("description"), name
+
+
+def test_the_api_server_checks_the_conf_of_every_dag_with_params(bag):
+    """training_airflow/conf_check.py refuses unknown conf keys for the DAGs it lists: every DAG of
+    dags/ that has Params, and only those."""
+    from training_airflow.conf_check import CHECKED_DAGS
+
+    assert {dag_id for dag_id, d in bag["dags"].items() if d["params"]} == CHECKED_DAGS

@@ -79,7 +79,7 @@ def _torchrun(point: Point, sets: dict[str, Any], env: dict[str, str], log: Path
                            nproc_per_node=point.world_size, master_port=free_port())
     with open(log, "w") as f:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                              cwd=Path(__file__).resolve().parents[1]).returncode
+                              cwd=Path(__file__).resolve().parents[2]).returncode
 
 
 def run_sweep(*, experiment: str, parent_run_id: str, points: list[Point], base: dict[str, Any], work: Path,
