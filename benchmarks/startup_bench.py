@@ -89,6 +89,8 @@ def demo_part(repeats: int, work: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW", "TRAINING_"))}
     env.update(AIRFLOW_HOME=str(work / "airflow"), MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow' / 'mlflow.db'}",
                TRAINING_VAR_DIR=str(work / "var"), AIRFLOW__CORE__DAGS_FOLDER=str(ROOT / "dags"),
+               # A fresh machine's caches too: no kept gate verdict, no measured peak FLOP/s yet.
+               TRAINING_CACHE_DIR=str(work / "cache"), TRAINING_DATA_CACHE=str(work / "data-cache"),
                AIRFLOW__CORE__PLUGINS_FOLDER=str(ROOT / "plugins"), AIRFLOW__CORE__LOAD_EXAMPLES="False",
                PYTHONPATH=os.pathsep.join([str(ROOT / "plugins"), str(ROOT)]), GLOO_SOCKET_IFNAME="lo",
                GX_ANALYTICS_ENABLED="False", MLFLOW_ENABLE_TELEMETRY="false", DO_NOT_TRACK="true")

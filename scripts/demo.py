@@ -5,7 +5,8 @@ Airflow DagRun in the project-local SQLite metadata DB, tasks run one after anot
 the run back from MLflow and prints where to look. Run it again for a second run.
 
 The one-time set-up runs side by side: the dataset and Airflow's database migration in child
-processes while this process loads the DAG and creates the MLflow store's tables. The tasks' logs
+processes while this process loads the DAG, creates the MLflow store's tables and starts the Task
+Execution API that ``dag.test()`` runs in-process (a deployment's api-server is up before any run). The tasks' logs
 are also written where a worker writes them (training_airflow.inprocess_logs), so after
 `make airflow-up` the run's page shows every task's log, like a run made by the scheduler.
 `dag.test()` rather than the scheduler: one process, no servers left running, and no start-up
@@ -42,6 +43,17 @@ def _load_dag(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return getattr(module, name)()
+
+
+def _execution_api():
+    """A client of the Task Execution API that ``dag.test()`` runs in this process, its app built now:
+    the part of Airflow a deployment's api-server has up before any run, here made during the
+    one-time set-up instead of inside the run's first task."""
+    import httpx
+    from airflow.sdk.execution_time.supervisor import in_process_api_server
+
+    api = in_process_api_server()  # cached: the one dag.test() uses
+    return httpx.Client(transport=api.transport, base_url="http://in-process.invalid")
 
 
 def _task_times(dag_run) -> str:
@@ -91,10 +103,12 @@ def main() -> int:
 
     get_or_create_experiment(conf.get("experiment", "distributed_training"))  # the store's tables, once
     dag = _load_dag("distributed_training")
+    api = _execution_api()
     for name, proc in setup.items():
         if proc.wait() != 0:
             print(f"{name} failed (exit {proc.returncode})")
             return 1
+    api.get("/health")  # its first request starts the app (about 2.5 s): before the DAG run, not in its first task
 
     print("==> running one DAG run of distributed_training (tasks stream their logs below)")
     from training_airflow.inprocess_logs import task_logs_to_files
