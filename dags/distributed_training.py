@@ -6,12 +6,14 @@ One run trains one model and records everything in **one MLflow run**, linked bo
 
 1. **open_run** - checks the parameters, then opens the MLflow run (a retry re-opens the same one).
 2. **validate_data** - the data gate on every split, and the model against the data: bad data stops here.
-3. **train and commit**, the backend's task group: *local* (**train**: `torchrun` on the worker,
+3. **tokenize** - text only (`text_column`): the token windows the ranks read, made once per data,
+   tokenizer and `seq_len`; a table goes on as it came.
+4. **train and commit**, the backend's task group: *local* (**train**: `torchrun` on the worker,
    then **upload_checkpoint**) or *kubernetes* (an Indexed Job of `k8s_nnodes` pods). By default the
    ranks commit every checkpoint straight to the store; a retry resumes from the newest that verifies.
-4. **evaluate** - verifies the final checkpoint against its manifest and scores the validation split.
-5. **register** - registers the model; it takes the `champion` alias if it beats the current one.
-6. **report** - records the orchestration overhead, draws the run's plots, closes the MLflow run.
+5. **evaluate** - verifies the final checkpoint against its manifest and scores the validation split.
+6. **register** - registers the model; it takes the `champion` alias if it beats the current one.
+7. **report** - records the orchestration overhead, draws the run's plots, closes the MLflow run.
 
 Trigger it with the form (every field explains itself), then open MLflow and compare runs.
 """
@@ -62,6 +64,7 @@ def pipeline():
                               dataset_uri=tasks.dataset_from_events(triggering_asset_events))
 
     validate_data = body_task("tasks", "validate_data")
+    tokenize = body_task("tasks", "tokenize")
     evaluate = body_task("tasks", "evaluate")
     register = body_task("tasks", "register")
 
@@ -72,7 +75,7 @@ def pipeline():
         return tasks.report(params, registered, dag_run_start=dag_run.start_date)
 
     # The backend's task group (backends/): trains and commits the final checkpoint to the store.
-    handoff = backends.train_and_commit(validate_data(open_run()))
+    handoff = backends.train_and_commit(tokenize(validate_data(open_run())))
     report(register(evaluate(handoff)))
 
 

@@ -37,7 +37,7 @@ def _defaults() -> dict[str, str]:
 
 
 def configuration_md() -> str:
-    from training.config.train_config import ADVANCED, TrainConfig
+    from training.config.train_config import ADVANCED, TEXT, TrainConfig
     from training.config.fields import markdown_table, specs
     from training_airflow.backends.kubernetes.params import KubernetesParams
     from training_airflow.params import RunParams
@@ -45,6 +45,7 @@ def configuration_md() -> str:
     trainer = specs(TrainConfig)
     main = [n for n, s in trainer.items() if s.form and s.section is None]
     advanced = [n for n, s in trainer.items() if s.form and s.section == ADVANCED]
+    text = [n for n, s in trainer.items() if s.form and s.section == TEXT]
     internal = [n for n, s in trainer.items() if not s.form]
     form = _defaults()
     differ = ", ".join(f"`{k}` = `{v}`" for k, v in form.items())
@@ -66,6 +67,10 @@ MLflow tags on every run, so the compare view lines runs up by them.
 ## Trainer: main fields
 
 {markdown_table(TrainConfig, names=main)}
+
+## Trainer: text (form section "{TEXT}")
+
+{markdown_table(TrainConfig, names=text)}
 
 ## Trainer: advanced (form section "{ADVANCED}")
 

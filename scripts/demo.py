@@ -144,8 +144,8 @@ def main() -> int:
     print(f"  all runs   : {experiment_url(ui, exp.experiment_id)}")
     print(f"Airflow UI   : make airflow-up  then  {airflow_run_url(dag_run.dag_id, dag_run.run_id)}  (task logs, link to MLflow)")
     print(f"Checkpoint   : {tags.get('checkpoint.uri', '(not uploaded)')}")
-    figures = [f"{k.removeprefix('eval/')} {m[k]:.4f}" for k in ("eval/accuracy", "eval/r2", "eval/rmse", "eval/loss")
-               if k in m]
+    figures = [f"{k.removeprefix('eval/')} {m[k]:.4f}" for k in ("eval/bits_per_byte", "eval/perplexity", "eval/accuracy",
+                                                                 "eval/r2", "eval/rmse", "eval/loss") if k in m]
     if figures:
         print(f"Evaluation   : {', '.join(figures)}")
     if "train/loss" in m:

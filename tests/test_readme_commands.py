@@ -52,12 +52,19 @@ EVAL = ("GLOO_SOCKET_IFNAME=lo .venv/bin/torchrun --nproc-per-node 2 --master-ad
 BENCH = (".venv/bin/python -m training bench --dataset-uri var/data/teacher --worlds 1 2 --comm-hooks none fp16 "
          "--steps 100 --out var/bench")
 VALIDATE_WINE = ".venv/bin/python -m training validate --dataset-uri /data/wine --label-column target"
+TEXT_LM = [  # "Train a language model on your text", in its order
+    ".venv/bin/python -m training make-data --kind text --out var/data/python-help",
+    ".venv/bin/python -m training validate --dataset-uri var/data/python-help --text-column text",
+    ".venv/bin/python scripts/demo.py --set dataset_uri=var/data/python-help --set text_column=text --set model=transformer "
+    "--set tokenizer=bpe:1024 --set seq_len=64 --set batch_size=32 --set steps=200 --set target_metric=none",
+]
 # Each command run here -> the test that runs it.
 RUN = {VALIDATE_WINE: "test_train_on_your_data", DEMO_WINE: "test_train_on_your_data",
        DEMO_PARAMS: "test_the_demo_with_a_param", "make compare": "test_compare_runs", COMPARE: "test_compare_runs",
        **dict.fromkeys(LIBRARY, "test_the_library_on_its_own"),
        **dict.fromkeys(TRANSFORMER, "test_a_transformer_with_fsdp"),
-       EVAL: "test_evaluation_during_training", BENCH: "test_a_benchmark_sweep"}
+       EVAL: "test_evaluation_during_training", BENCH: "test_a_benchmark_sweep",
+       **dict.fromkeys(TEXT_LM, "test_a_language_model_on_your_text")}
 
 CLUSTER = "needs a Kubernetes cluster and a registry (tests/plugins/test_kubernetes.py and tests/e2e/test_pods.py " \
           "check the objects and run the pods on podman; tests/test_deploy_files.py validates the manifests)"
@@ -254,3 +261,11 @@ def test_a_benchmark_sweep(checkout):
     _teacher_data(checkout)
     run(checkout, BENCH)
     assert (checkout["root"] / "var" / "bench" / "report" / "report.md").is_file()
+
+
+@pytest.mark.slow
+def test_a_language_model_on_your_text(checkout):
+    made, validated, trained = (run(checkout, command).stdout for command in TEXT_LM)
+    assert '"kind": "text"' in made and '"success": true' in validated, validated[-2000:]
+    assert re.search(r"DAG run      : \S+  state=\S*success", trained), trained[-3000:]
+    assert re.search(r"Evaluation   : bits_per_byte [0-9.]+, perplexity", trained), trained[-3000:]

@@ -18,14 +18,16 @@ from training.config.train_config import MODEL_KIND, TrainConfig, choices
 from training.config.fields import help_lines, specs
 from training.distributed.launch import EXIT_BAD_INPUT
 
-DATA_FIELDS = ("label_column", "feature_columns", "task", "validation_fraction", "split_seed")
+DATA_FIELDS = ("label_column", "feature_columns", "task", "validation_fraction", "split_seed", "text_column")
 
 
 def _cmd_make_data(a: argparse.Namespace) -> int:
-    from training.data.synthetic import make_digits_dataset, make_markov_dataset, make_teacher_dataset
+    from training.data.synthetic import make_digits_dataset, make_markov_dataset, make_teacher_dataset, make_text_dataset
 
     if a.kind == "digits":
         meta = make_digits_dataset(a.out, seed=a.seed)
+    elif a.kind == "text":
+        meta = make_text_dataset(a.out)
     elif a.kind == "markov":
         meta = make_markov_dataset(a.out, n_train=a.train_rows, n_val=a.val_rows, vocab=a.vocab, seq_len=a.seq_len, seed=a.seed)
     else:
@@ -53,6 +55,25 @@ def _cmd_validate(a: argparse.Namespace) -> int:
         print(str(e), file=sys.stderr)
         return EXIT_BAD_INPUT
     print(json.dumps(report))
+    return 0
+
+
+def _cmd_tokenize(a: argparse.Namespace) -> int:
+    """Make a text dataset's token windows (what the DAG's tokenize task does) and print where they are."""
+    from training.data.dataset import open_dataset
+    from training.data.options import DataOptions
+    from training.data.text import documents
+    from training.data.tokenizer import resolve
+    from training.data.tokens import build
+
+    cfg = TrainConfig(dataset_uri=a.dataset_uri, tokenizer=a.tokenizer, seq_len=a.seq_len,
+                      **{f: getattr(a, f) for f in DATA_FIELDS})
+    if not cfg.text_column:
+        raise ConfigError("text_column", "is empty", "name the column of documents, e.g. --text-column text")
+    data = open_dataset(cfg.dataset_uri, DataOptions.of(cfg))
+    loaded = resolve(cfg.tokenizer, train_documents=lambda: documents(data.table("train"), cfg.text_column))
+    built = build(data, text_column=cfg.text_column, tokenizer=loaded, seq_len=cfg.seq_len, store_uri=a.out)
+    print(json.dumps({"token_shards": built.uri, "cache_hit": built.cache_hit, "splits": built.stats["splits"]}))
     return 0
 
 
@@ -148,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("make-data", help="write a dataset whose reachable accuracy or loss is known")
     s.add_argument("--out", required=True, help="folder to write (train/, validation/, dataset.json)")
-    s.add_argument("--kind", choices=["teacher", "digits", "markov"], default="teacher",
-                   help="teacher: tabular (mlp); digits: 8x8 images (cnn); markov: token sequences (transformer)")
+    s.add_argument("--kind", choices=["teacher", "digits", "markov", "text"], default="teacher",
+                   help="teacher: tabular (mlp); digits: 8x8 images (cnn); markov: token sequences (transformer); "
+                   "text: Python's own help text as documents (transformer, text_column=text)")
     s.add_argument("--train-rows", type=int, default=20_000, help="rows in the train split")
     s.add_argument("--val-rows", type=int, default=4_000, help="rows in the validation split")
     s.add_argument("--features", type=int, default=16, help="number of feature columns")
@@ -185,6 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fewest rows a split may have (default: the dataset schema's min_rows, 100 unless set)")
     s.add_argument("--docs-dir", default=None, help="also build Great Expectations Data Docs (HTML) in this folder")
     s.set_defaults(fn=_cmd_validate)
+
+    s = sub.add_parser("tokenize", help="make a text dataset's token windows for training (prints token_shards)",
+                       description=_cmd_tokenize.__doc__)
+    s.add_argument("--dataset-uri", required=True, help="dataset folder, Parquet file or s3://bucket/prefix")
+    data_options(s)
+    s.add_argument("--tokenizer", default=fields["tokenizer"].default, help=fields["tokenizer"].help)
+    s.add_argument("--seq-len", dest="seq_len", type=int, default=fields["seq_len"].default, help=fields["seq_len"].help)
+    s.add_argument("--out", required=True, help="the store to write them to: a folder, file:///folder or s3://bucket/prefix")
+    s.set_defaults(fn=_cmd_tokenize)
 
     s = sub.add_parser("train", help="train (run under torchrun for several ranks)",
                        description=f"Config fields (--set key=value):\n{help_lines(TrainConfig)}",

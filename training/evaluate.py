@@ -28,14 +28,16 @@ from training.checkpoint.commit import CheckpointCorrupt, fetch_checkpoint
 from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, load_exported
 from training.distributed import precision
 from training.distributed.parallel import DistInfo, for_evaluation
-from training.metrics.formulas import target_reached
+from training.metrics.formulas import bits_per_byte, target_reached
 from training.metrics.steps import RunClock
 from training.results import reports
 from training.data.dataset import Dataset, open_dataset
 from training.log import logger
+from training.models.generate import continue_text
 from training.models.loss import loss_fn, split_batch
 from training.models.spec import ModelSpec
 from training.data.options import DataOptions
+from training.data.tokens import TokenDataset, open_shards
 
 
 @torch.no_grad()
@@ -93,6 +95,20 @@ def score_spec(model: torch.nn.Module, spec: ModelSpec, split, **kwargs: Any) ->
                  target_var=spec.target_variance, **kwargs)
 
 
+def with_lm_figures(res: dict[str, float], tokens_per_byte: float | None) -> dict[str, float]:
+    """A language model's figures beside its loss: ``eval/perplexity`` and, where the text's size
+    is known, ``eval/bits_per_byte`` (comparable across tokenizers)."""
+    out = {**res, "eval/perplexity": math.exp(min(res["eval/loss"], 700.0))}
+    bpb = bits_per_byte(res["eval/loss"], tokens_per_byte)
+    if bpb is not None:
+        out["eval/bits_per_byte"] = bpb
+    return out
+
+
+def _tokens_per_byte(dataset: Any) -> float | None:
+    return dataset.tokens_per_byte() if isinstance(dataset, TokenDataset) else None
+
+
 def summary_line(res: dict[str, float]) -> str:
     """``loss 0.41 | accuracy 0.83`` (or rmse/r2): the figures of one evaluation."""
     return " | ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in res.items())
@@ -114,6 +130,7 @@ class Evaluator:
         self.on_eval: list[Callable[[int, dict[str, float]], None]] = []  # every rank, after each evaluation
         if self.every:
             self.validation = dataset.split("validation", spec)
+            self.tokens_per_byte = _tokens_per_byte(dataset)
 
     def maybe_eval(self, step: int) -> None:
         if not self.every or step % self.every:
@@ -128,6 +145,8 @@ class Evaluator:
         res = score_spec(self.model, self.spec, self.validation, batch=max(256, cfg.batch_size), device=info.device,
                          rank=info.rank, world_size=info.world_size,
                          autocast=lambda: precision.autocast(cfg.precision, cfg.strategy, info.device))
+        if self.spec.task == "language_modeling":
+            res = with_lm_figures(res, self.tokens_per_byte)
         for hook in self.on_eval:
             hook(step, res)
         if not info.is_main:
@@ -144,12 +163,13 @@ class Evaluator:
 
 def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_dir: str | None = None,
         keep_model_in: str | None = None, store_env: Mapping[str, str] | None = None,
-        options: DataOptions | None = None) -> dict[str, Any]:
+        options: DataOptions | None = None, token_shards: str | None = None) -> dict[str, Any]:
     """Score the run's latest verified checkpoint on the validation split; ``keep_model_in`` also
     keeps its verified ``model.safetensors`` + ``model_config.json`` there (for the model
     registry). ``store_env``: S3 settings, for the store and an ``s3://`` dataset alike;
-    ``options``: the run's label, features and split (DataOptions)."""
-    dataset = open_dataset(dataset_uri, options, env=store_env)
+    ``options``: the run's label, features and split (DataOptions); ``token_shards``: a text
+    dataset's token windows (what a language model is scored on, with samples of its text)."""
+    dataset = open_shards(token_shards, store_env) if token_shards else open_dataset(dataset_uri, options, env=store_env)
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         local, manifest, warnings = fetch_checkpoint(store_uri, experiment=experiment, run_id=run_id, dest=tmp,
                                                              env=store_env)
@@ -162,10 +182,15 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
                 shutil.copyfile(local / name, Path(keep_model_in) / name)
     val = _validation_for(dataset, spec)
     figures = score_spec(model, spec, val)
-    meta = dataset.layout.meta or {}
+    meta = {} if isinstance(dataset, TokenDataset) else dataset.layout.meta or {}
     labels = torch.from_numpy(val.labels) if val.labels is not None else None
+    samples = None
+    if spec.task == "language_modeling":
+        figures = with_lm_figures(figures, _tokens_per_byte(dataset))
+        samples = text_samples(model, spec, dataset) if isinstance(dataset, TokenDataset) else None
     return {
         **figures,
+        "samples": samples,
         "task": spec.task,
         "report": reports.evaluation_report(spec.task, spec.kind, model, torch.from_numpy(val.features), labels),
         "step": manifest["step"],
@@ -178,8 +203,21 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
     }
 
 
-def _validation_for(dataset: Dataset, spec: ModelSpec):
+def text_samples(model: torch.nn.Module, spec: ModelSpec, dataset: TokenDataset) -> dict[str, Any]:
+    """The beginnings of a few validation documents, continued by the model greedily and by
+    sampling with a fixed seed."""
+    loaded = dataset.tokenizer()
+    prompts = dataset.stats.get("prompts") or []
+    kw = {"seq_len": spec.seq_len, "stop_id": loaded.eot_id}
+    return {"prompts": prompts, "greedy": continue_text(model, loaded.tokenizer, prompts, **kw),
+            "sampled": continue_text(model, loaded.tokenizer, prompts, sample=True, seed=0, **kw),
+            "sampling": "top-k 40, temperature 0.8, seed 0", "tokenizer": loaded.source}
+
+
+def _validation_for(dataset: Dataset | TokenDataset, spec: ModelSpec):
     """The validation rows as the model reads them; a model of other columns is refused."""
+    if isinstance(dataset, TokenDataset):
+        return dataset.split("validation", spec)
     columns = set(dataset.table("validation").column_names)
     missing = [c for c in spec.features if c not in columns]
     if missing:
@@ -187,17 +225,22 @@ def _validation_for(dataset: Dataset, spec: ModelSpec):
     return dataset.split("validation", spec)
 
 
-def score_folder(model_dir: str | Path, dataset: str | Dataset, options: DataOptions | None = None) -> dict[str, float]:
+def score_folder(model_dir: str | Path, dataset: str | Dataset | TokenDataset,
+                 options: DataOptions | None = None) -> dict[str, float]:
     """Score an exported model folder (``model.safetensors`` + ``model_config.json``) on the
-    validation split of a dataset: how the registry compares a champion on new data."""
-    ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, options)
+    validation split of a dataset: how the registry compares a champion on new data. A language
+    model is scored only on windows of its own tokenizer's ids (else ValueError)."""
+    ds = dataset if isinstance(dataset, (Dataset, TokenDataset)) else open_dataset(dataset, options)
     model, spec = load_exported(model_dir)
-    return score_spec(model, spec, _validation_for(ds, spec))
+    if isinstance(ds, TokenDataset) and spec.tokenizer_sha256 != ds.meta["tokenizer_sha256"]:
+        raise ValueError("the model reads another tokenizer's ids than these token windows hold")
+    res = score_spec(model, spec, _validation_for(ds, spec))
+    return with_lm_figures(res, _tokens_per_byte(ds)) if spec.task == "language_modeling" else res
 
 
-def example_inputs(dataset: str | Dataset, n: int = 5, options: DataOptions | None = None):
+def example_inputs(dataset: str | Dataset | TokenDataset, n: int = 5, options: DataOptions | None = None):
     """Model inputs for the first ``n`` validation rows (numpy): the logged model's input example."""
-    ds = dataset if isinstance(dataset, Dataset) else open_dataset(dataset, options)
+    ds = dataset if isinstance(dataset, (Dataset, TokenDataset)) else open_dataset(dataset, options)
     val = ds.split("validation", limit=n)
     labels = torch.from_numpy(val.labels) if val.labels is not None else None
     inputs, _ = split_batch(ds.meta["kind"], torch.from_numpy(val.features), labels)

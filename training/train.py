@@ -30,6 +30,7 @@ from training.config.train_config import TrainConfig
 from training.data.dataset import Dataset, Split, open_dataset
 from training.data.options import DataOptions
 from training.data.sampler import ShardedSampler
+from training.data.tokens import open_shards
 from training.distributed import faults, parallel, precision
 from training.distributed.launch import EXIT_PREEMPTED
 from training.distributed.resilience import Phase, Preempted, Preemption, RankRecord, ReplicaCheck
@@ -79,6 +80,13 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:
     that changed since the gate refused), described, its train split read, the normalization
     statistics computed once from it, and the model built and run on two rows. Raises
     ConfigError naming the field to fix. ``dataset``: one already open (the Airflow pre-launch check)."""
+    if dataset is None and cfg.token_shards:  # text: the windows the tokenize step made, verified
+        dataset = open_shards(cfg.token_shards)
+    elif dataset is None and cfg.text_column:
+        raise ConfigError("token_shards", f"text ({cfg.text_column!r} of {cfg.dataset_uri}) is trained from its "
+                          "token windows, and none were given", "make them first: python -m training tokenize "
+                          "--dataset-uri ... --text-column ... --out DIR, then --set token_shards=<the printed URI> "
+                          "(the DAG's tokenize task does this)")
     if dataset is None:
         dataset = open_dataset(cfg.dataset_uri, DataOptions.of(cfg), expect_fingerprint=cfg.dataset_fingerprint or None)
     meta = dataset.meta
@@ -120,6 +128,7 @@ class Trainer:
                  startup: StartupClock | None = None) -> None:
         spec, train = prepared.spec, prepared.train
         self.cfg, self.info, self.spec = cfg, info, spec
+        self.tokenizer_file = getattr(prepared.dataset, "tokenizer_file", None)  # text: exported with the model
         self.startup = startup or StartupClock()
         self.record = RankRecord(Path(cfg.output_dir) if cfg.output_dir else None, info.rank)
         self.phase = Phase(self.record, cfg.collective_timeout_s)
@@ -184,7 +193,7 @@ class Trainer:
                     self._loop()
                 with self.phase("final export"):
                     self.preemption.drain()
-                    final_uri = self.checkpointer.finalize(self.state, self.model, self.spec)
+                    final_uri = self.checkpointer.finalize(self.state, self.model, self.spec, self.tokenizer_file)
         finally:
             self.recorder.close()
         return self._summary(final_uri, resumed_from, wall_start)

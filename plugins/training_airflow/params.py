@@ -58,9 +58,10 @@ class RunParams:
     registered_model: str | None = knob(
         None, "MLflow registered model the evaluated model is registered under; empty: the experiment name",
         title="Registered model", pattern=NAME_PATTERN, section=RUN)
-    gate_metric: Literal["auto", "eval/accuracy", "eval/loss", "eval/r2", "eval/rmse"] = knob(
+    gate_metric: Literal["auto", "eval/accuracy", "eval/loss", "eval/r2", "eval/rmse", "eval/bits_per_byte"] = knob(
         "auto", "the metric the registry gate compares: auto = eval/accuracy for classification, eval/r2 for "
-        "regression; a loss or RMSE must fall, accuracy or R² rise", title="Registry gate metric", section=RUN)
+        "regression, eval/bits_per_byte for a language model; a loss, RMSE or bits per byte must fall, accuracy or "
+        "R² rise", title="Registry gate metric", section=RUN)
     promotion_margin: float = knob(
         0.005, "the new model takes the registry alias `champion` only if its gate_metric beats the current "
         "champion's by more than this (absolute, in the metric's units: 0.005 = half a point of accuracy); "

@@ -10,21 +10,23 @@ from training_airflow import settings
 
 
 def train_config(params: dict[str, Any], *, world_size: int | None = None, checkpoint_dir: str = "-",
-                 output_dir: str = "", dataset_uri: str | None = None, dataset_fingerprint: str = "") -> Any:
+                 output_dir: str = "", dataset_uri: str | None = None, dataset_fingerprint: str = "",
+                 token_shards: str = "") -> Any:
     """The run's Params as a ``TrainConfig``; raises ``ConfigError`` naming the field.
 
     Every field of the trainer that is a Param is taken as is (a Param a deployment lacks keeps the
     trainer's default); the rules that need the launch size are checked too, and the model against
     the kind a local ``dataset.json`` declares (the data and the model themselves are checked by
     ``validate_data`` once the gate has read the data). ``dataset_fingerprint``: what the gate
-    recorded, for the ranks to compare with what they read."""
+    recorded, for the ranks to compare with what they read; ``token_shards``: the token windows of
+    a text dataset (the tokenize task's), which the ranks read instead."""
     from training.config.train_config import TrainConfig
     from training.config.fields import specs
 
     values = {name: params[name] for name, spec in specs(TrainConfig).items() if spec.form and name in params}
     values["dataset_uri"] = settings.resolve_path(dataset_uri or params["dataset_uri"])
     cfg = TrainConfig(**values, checkpoint_dir=checkpoint_dir, output_dir=output_dir,
-                      dataset_fingerprint=dataset_fingerprint)
+                      dataset_fingerprint=dataset_fingerprint, token_shards=token_shards)
     cfg.check_world_size(int(world_size or params["world_size"]))
     if Path(cfg.dataset_uri, "dataset.json").is_file():  # a missing dataset is the data gate's to report
         from training.data.synthetic import read_meta
@@ -45,5 +47,5 @@ def data_options(params: dict[str, Any]) -> Any:
     from training.data.options import DataOptions
 
     fields = specs(TrainConfig)
-    names = ("label_column", "feature_columns", "task", "validation_fraction", "split_seed")
+    names = ("label_column", "feature_columns", "task", "validation_fraction", "split_seed", "text_column")
     return DataOptions.of(SimpleNamespace(**{n: params.get(n, fields[n].default) for n in names}))

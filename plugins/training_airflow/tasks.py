@@ -143,18 +143,83 @@ def validate_data(params: dict[str, Any], opened: RunOpened) -> Validated:
     log.info("data gate passed: %s rows, fingerprint %s; %s%s", report["rows"], report["fingerprint"][:16],
              described.get("task_reason", ""),
              " (the verdict of an earlier run on the same bytes and suite)" if report.get("cached_from") else "")
-    check_model(params, cfg, data)
+    if cfg.text_column:  # the model reads tokens: checked once the tokenize task made them
+        _load_tokenizer_file(cfg, params)
+    else:
+        check_model(params, cfg, data)
     describe(run_id)
     return Validated(**opened, dataset_fingerprint=report["fingerprint"])
 
 
-def check_model(params: dict[str, Any], cfg: Any, data: Any) -> None:
+def _load_tokenizer_file(cfg: Any, params: dict[str, Any]) -> None:
+    """A tokenizer.json the run names must load, before anything else is spent on the run."""
+    from training.data.tokenizer import resolve
+
+    if cfg.tokenizer and cfg.tokenizer != "bytes" and not cfg.tokenizer.startswith("bpe:"):
+        loaded = resolve(cfg.tokenizer, train_documents=lambda: [], env=store_env(params))
+        log.info("tokenizer %s loads: %d tokens, end of text %d", cfg.tokenizer, loaded.vocab_size, loaded.eot_id)
+
+
+@fails_fast
+def tokenize(params: dict[str, Any], validated: Validated) -> Validated:
+    """Text: tokenize every split once, pack the documents into windows of ``seq_len + 1`` tokens
+    and write them to the store, keyed by the data, the tokenizer and ``seq_len`` (a second run on
+    the same finds them), then check the model on them; the ranks read the windows, never the text.
+    Tables: nothing to tokenize, the run goes on as it came."""
+    if not params.get("text_column"):
+        log.info("a table of numbers: nothing to tokenize")
+        return validated
+    from training.data.dataset import open_dataset
+    from training.data.text import documents
+    from training.data.tokenizer import resolve
+    from training.data.tokens import build, open_shards
+
+    cfg = train_config({**params, "dataset_uri": validated["dataset_uri"]})
+    s3_env = store_env(params)
+    data = open_dataset(validated["dataset_uri"], data_options(params), env=s3_env,
+                        expect_fingerprint=validated["dataset_fingerprint"])
+    loaded = resolve(cfg.tokenizer, env=s3_env, train_documents=lambda: documents(data.table("train"), cfg.text_column))
+    built = build(data, text_column=cfg.text_column, tokenizer=loaded, seq_len=cfg.seq_len, store_uri=params["store_uri"],
+                  env=s3_env)
+    _record_tokens(run_logger(validated["mlflow_run_id"]), built, loaded)
+    splits = built.stats["splits"]
+    log.info("tokens %s (%s, %.1fs): %s", built.uri, "found: the same data, tokenizer and seq_len" if built.cache_hit
+             else "made", built.seconds, ", ".join(f"{k} {v['documents']} documents, {v['bytes']} bytes, {v['tokens']} "
+                                                   f"tokens, {v['windows']} windows" for k, v in splits.items()))
+    check_model(params, cfg, open_shards(built.uri, s3_env), token_shards=built.uri)
+    return Validated(**validated, token_shards=built.uri)
+
+
+def _record_tokens(logger, built: Any, loaded: Any) -> None:
+    """What the run records of its text: the tokenizer (a tag, and its file), whether the shards
+    were found, documents, bytes and tokens per split, tokens per byte and the share of the text
+    the tokenizer could not represent."""
+    tags = {"tokens.uri": built.uri, "tokens.cache": "hit" if built.cache_hit else "made", "tokenizer": loaded.source,
+            "tokenizer.sha256": loaded.sha256, "tokenizer.vocab_size": loaded.vocab_size}
+    figures: dict[str, float] = {"tokenize_s": built.seconds}
+    for split, s in built.stats["splits"].items():
+        for k in ("documents", "bytes", "tokens", "windows"):
+            figures[f"{split}_{k}"] = float(s[k])
+        if s.get("tokens_per_byte") is not None:
+            figures[f"{split}_tokens_per_byte"] = float(s["tokens_per_byte"])
+        figures[f"{split}_unrepresented_share"] = float(s.get("unrepresented_share") or 0.0)
+    logger.set_tags(tags)
+    logger.log_summary(figures)
+    logger.log_text(loaded.to_json(), "tokenizer/tokenizer.json")
+
+
+def check_model(params: dict[str, Any], cfg: Any, data: Any, *, token_shards: str | None = None) -> None:
     """Before any rank starts: the model reads this kind of data, the target and gate metrics are
     measured for its task, and the model (a factory: imported, called, run on two rows) gives
-    outputs of the right shape. A ConfigError names the field (``model`` with the factory path)."""
+    outputs of the right shape. A ConfigError names the field (``model`` with the factory path).
+    ``token_shards``: text, checked on its token windows."""
+    import dataclasses
+
     from training.results.registry import gate_metric
     from training.train import prepare
 
+    if token_shards:
+        cfg = dataclasses.replace(cfg, token_shards=token_shards)
     spec = prepare(cfg, data).spec
     gate_metric(params.get("gate_metric", "auto"), spec.task)
     log.info("model %s checked on two rows: %s, %s", cfg.model, spec.kind, spec.task)
@@ -182,12 +247,14 @@ def evaluate(params: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
     settings.work_dir().mkdir(parents=True, exist_ok=True)
     result = run(store_uri=params["store_uri"], experiment=params["experiment"], run_id=run_id,
                  dataset_uri=handoff["dataset_uri"], work_dir=str(settings.work_dir()), store_env=s3_env,
-                 options=data_options(params))
+                 options=data_options(params), token_shards=handoff.get("token_shards"))
     figures = {k: v for k, v in result.items() if k.startswith("eval/")}
     logger = run_logger(run_id)
     logger.log_metrics_once(figures, step=result["step"])
     if result.get("report"):
         _log_evaluation_report(logger, result["report"], result["step"])
+    if result.get("samples"):
+        _log_samples(logger, result["samples"])
     if result["warnings"]:
         for w in result["warnings"]:
             log.warning("checkpoint fallback: %s", w)
@@ -200,6 +267,15 @@ def evaluate(params: dict[str, Any], handoff: Handoff) -> dict[str, Any]:
     return {**handoff, "eval_loss": result["eval/loss"], "eval_accuracy": result.get("eval/accuracy"),
             "eval_metrics": figures, "task": result["task"], "eval_step": result["step"],
             "evaluated_step_dir": result["checkpoint_step_dir"]}
+
+
+def _log_samples(logger, samples: dict[str, Any]) -> None:
+    """samples/: a few validation prompts continued by the model, greedy and sampled, as the run's
+    page shows them (samples.md) and as data (samples.json)."""
+    from training.results.reports import samples_markdown
+
+    logger.log_text(samples_markdown(samples), "samples/samples.md")
+    logger.log_text(json.dumps(samples, indent=2, ensure_ascii=False), "samples/samples.json")
 
 
 def _log_evaluation_report(logger, report: dict[str, Any], step: int) -> None:
@@ -238,8 +314,9 @@ def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
     The model files are fetched from the store again and verified against the manifest (the step
     folder ``evaluate`` scored), so this task may run on another worker than ``evaluate``."""
     from training.results import registry
-    from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE
+    from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE
     from training.data.dataset import open_dataset
+    from training.data.tokens import open_shards
     from training.evaluate import example_inputs, score_folder
     from training.checkpoint.commit import fetch_checkpoint
     from training.tracking.page import describe
@@ -250,12 +327,14 @@ def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
     metric = registry.gate_metric(params.get("gate_metric", "auto"), task)
     figures = scored.get("eval_metrics") or {"eval/loss": scored["eval_loss"], "eval/accuracy": scored["eval_accuracy"]}
     s3_env = store_env(params)
-    data = open_dataset(scored["dataset_uri"], data_options(params), env=s3_env)
+    data = (open_shards(scored["token_shards"], s3_env) if scored.get("token_shards")
+            else open_dataset(scored["dataset_uri"], data_options(params), env=s3_env))
     settings.work_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=settings.work_dir(), prefix="register-") as tmp:
         model_dir, _, _ = fetch_checkpoint(params["store_uri"], experiment=params["experiment"], run_id=run_id,
                                            dest=tmp, env=s3_env,
-                                           step_dir=scored["evaluated_step_dir"], only=(MODEL_FILE, MODEL_CONFIG_FILE))
+                                           step_dir=scored["evaluated_step_dir"],
+                                           only=(MODEL_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE))
         gate = registry.register_and_gate(
             run_id=run_id, model_dir=model_dir, registered_model=name, metric_value=figures[metric], metric=metric,
             margin=float(params.get("promotion_margin", 0.0)), example_inputs=example_inputs(data),

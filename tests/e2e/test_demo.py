@@ -29,7 +29,7 @@ def test_make_demo_runs_the_pipeline_end_to_end(tmp_path):
     accuracy = float(re.search(r"Evaluation   : accuracy ([0-9.]+)", out)[1])
     assert accuracy >= 0.70, out[-3000:]  # chance is 0.25, the data's ceiling 0.925
     tasks = dict(re.findall(r"(\w+) ([0-9.]+)s", re.search(r"Tasks        : (.*)", out)[1]))
-    assert set(tasks) == {"open_run", "validate_data", "train", "upload_checkpoint", "evaluate", "register", "report"}, out[-3000:]
+    assert set(tasks) == {"open_run", "validate_data", "tokenize", "train", "upload_checkpoint", "evaluate", "register", "report"}, out[-3000:]
     assert re.search(r"Target       : eval/accuracy 0\.8 reached at step \d+, [\d.]+s after training started", out)
     # rank 0's start-up reached the MLflow run through the train task (the relay)
     assert re.search(r"Start-up     : rank 0 at its first step [0-9.]+s after its process started \(imports", out)
@@ -39,7 +39,7 @@ def test_make_demo_runs_the_pipeline_end_to_end(tmp_path):
     # Every task's log is where the Airflow UI reads it (make airflow-up on the same home shows it).
     run = next((tmp_path / "airflow" / "logs" / "dag_id=distributed_training").glob("run_id=*"))
     logs = {}
-    for task in ("open_run", "validate_data", "train", "upload_checkpoint", "evaluate", "register", "report"):
+    for task in ("open_run", "validate_data", "tokenize", "train", "upload_checkpoint", "evaluate", "register", "report"):
         logs[task] = [json.loads(line) for line in (run / f"task_id={task}" / "attempt=1.log").read_text().splitlines()]
         assert logs[task] and all({"timestamp", "level", "event"} <= set(r) for r in logs[task]), task
     steps = name[2]

@@ -23,7 +23,7 @@ from training.tracking.run import summary_of
 
 pytestmark = pytest.mark.slow
 
-CORE = ("open_run", "validate_data", "train", "upload_checkpoint", "evaluate", "register", "report")
+CORE = ("open_run", "validate_data", "tokenize", "train", "upload_checkpoint", "evaluate", "register", "report")
 
 
 def _mlflow_runs(dag_id: str, dag_run_id: str):

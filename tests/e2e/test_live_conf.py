@@ -20,7 +20,7 @@ def test_an_unknown_conf_key_is_refused_with_400_naming_the_closest_param(live_a
     af = live_airflow
     af.wait_for_dags(TRAIN)
     before = len(af.runs(TRAIN))
-    for conf, key, closest in (({"text_column": "text"}, "text_column", "label_column"),
+    for conf, key, closest in (({"label_col": "target"}, "label_col", "label_column"),
                                ({"steps": 20, "step": 600}, "step", "steps")):
         with pytest.raises(BadRequestException) as refused:
             af.trigger(TRAIN, conf)

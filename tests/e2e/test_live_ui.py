@@ -115,7 +115,7 @@ def test_trigger_form_in_the_browser(live_airflow, browser, tmp_path):
 
 # ------------------------------------------------------------------------------ Airflow <-> MLflow
 
-CORE = ("open_run", "validate_data", "train", "upload_checkpoint", "evaluate", "register", "report")
+CORE = ("open_run", "validate_data", "tokenize", "train", "upload_checkpoint", "evaluate", "register", "report")
 TASK_LINK = "[...document.querySelectorAll('a')].find(a => a.innerText.trim() === 'MLflow run')"
 
 

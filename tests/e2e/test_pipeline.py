@@ -40,7 +40,7 @@ def test_full_pipeline_on_s3(airflow_db, dataset, s3_server, tmp_path, tmp_root)
     dag_run = load_dag("distributed_training").test(run_conf=conf)
 
     # The default deployment offers the local backend only: its task group and nothing else.
-    assert _ti_states(dag_run) == {t: "success" for t in ("open_run", "validate_data", "train", "upload_checkpoint", "evaluate",
+    assert _ti_states(dag_run) == {t: "success" for t in ("open_run", "validate_data", "tokenize", "train", "upload_checkpoint", "evaluate",
                                                           "register", "report")}
     client, run = _mlflow_run(dag_run, "e2e")
     assert run.info.status == "FINISHED"

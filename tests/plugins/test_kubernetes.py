@@ -674,13 +674,13 @@ def test_each_backend_is_a_task_group_and_a_branch_picks_one(dag):
     local = ["train", "upload_checkpoint"]
     k8s = ["create_rendezvous_service", "train_on_kubernetes", "upload_on_kubernetes", "delete_rendezvous_service",
            "confirm_commit"]
-    assert set(t) == {"open_run", "validate_data", "choose_backend", *local, *k8s, "trained", "evaluate", "register", "report"}
+    assert set(t) == {"open_run", "validate_data", "tokenize", "choose_backend", *local, *k8s, "trained", "evaluate", "register", "report"}
     assert {t[x].task_group.group_id for x in local} == {"local"}
     assert {t[x].task_group.group_id for x in k8s} == {"kubernetes"}
     assert t["choose_backend"].downstream_task_ids == {"train", "create_rendezvous_service"}
-    assert "validate_data" in t["choose_backend"].upstream_task_ids
-    assert t["validate_data"].upstream_task_ids == {"open_run"}
-    assert t["train_on_kubernetes"].upstream_task_ids >= {"create_rendezvous_service", "validate_data"}
+    assert "tokenize" in t["choose_backend"].upstream_task_ids
+    assert t["validate_data"].upstream_task_ids == {"open_run"} and t["tokenize"].upstream_task_ids == {"validate_data"}
+    assert t["train_on_kubernetes"].upstream_task_ids >= {"create_rendezvous_service", "tokenize"}
     assert t["upload_on_kubernetes"].upstream_task_ids >= {"train_on_kubernetes"}
     # The Service is the Job's setup/teardown: deleted whatever happened once it was created.
     assert t["create_rendezvous_service"].is_setup and t["delete_rendezvous_service"].is_teardown
@@ -699,6 +699,6 @@ def test_a_local_only_deployment_has_no_kubernetes_tasks_or_fields(monkeypatch):
 
     monkeypatch.setenv("TRAINING_BACKENDS", "local")
     dag = load_dag("distributed_training")
-    assert set(dag.task_dict) == {"open_run", "validate_data", "train", "upload_checkpoint", "evaluate", "register", "report"}
+    assert set(dag.task_dict) == {"open_run", "validate_data", "tokenize", "train", "upload_checkpoint", "evaluate", "register", "report"}
     assert not [p for p in dag.params if p.startswith("k8s_")]
     assert dag.params.get_param("backend").schema["enum"] == ["local"]

@@ -72,7 +72,7 @@ def test_a_config_file_from_an_older_version_still_loads(tmp_path):
 
 def test_only_what_the_pipeline_sets_is_kept_out_of_the_form():
     hidden = {f.name for f in dataclasses.fields(TrainConfig) if not f.metadata["form"]}
-    assert hidden == {"checkpoint_dir", "output_dir", "dataset_fingerprint"}
+    assert hidden == {"checkpoint_dir", "output_dir", "dataset_fingerprint", "token_shards"}
 
 
 def test_model_args_take_any_json_object_and_nothing_else():

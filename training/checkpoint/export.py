@@ -16,10 +16,12 @@ from training.util import atomic_write
 
 MODEL_FILE = "model.safetensors"
 MODEL_CONFIG_FILE = "model_config.json"
+TOKENIZER_FILE = "tokenizer.json"  # a language model's tokenizer, exported beside it
 
 
-def export_model(model, path: str | Path, spec: ModelSpec) -> None:
-    """Collective: consolidate the full model on rank 0 and write safetensors + its config."""
+def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path | None = None) -> None:
+    """Collective: consolidate the full model on rank 0 and write safetensors + its config (and
+    a language model's ``tokenizer.json``)."""
     from safetensors.torch import save_file
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -30,6 +32,8 @@ def export_model(model, path: str | Path, spec: ModelSpec) -> None:
         save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
         os.replace(tmp, path / MODEL_FILE)
         atomic_write(path / MODEL_CONFIG_FILE, json.dumps(spec.to_json(), indent=2) + "\n")
+        if tokenizer_file is not None:
+            atomic_write(path / TOKENIZER_FILE, Path(tokenizer_file).read_text())
     dist.barrier()
 
 

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from training.checkpoint import commit
 from training.checkpoint.commit import Candidate, CheckpointCorrupt, Location, step_dir_name
 from training.checkpoint.dcp_io import METADATA, StoreWriter, VerifiedReader, describe, failures, not_committed, rng_file
-from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, export_model
+from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, export_model
 from training.checkpoint.retention import retain, write_eval
 from training.distributed.resilience import Phase
 from training.log import logger
@@ -233,7 +233,7 @@ class Checkpointer:
         self.metrics.log_metrics({"ckpt/blocking_s": blocked}, step=step)
         self.saved_step = step
 
-    def finalize(self, state: TrainState, model, spec: ModelSpec) -> str:
+    def finalize(self, state: TrainState, model, spec: ModelSpec, tokenizer_file: Path | None = None) -> str:
         """Collective: the final checkpoint of ``state.step`` with the portable model, unless that
         step was saved already. Returns its URI."""
         self.wait()
@@ -241,7 +241,7 @@ class Checkpointer:
             # The portable model is exported first and committed with the checkpoint, so a
             # committed final checkpoint always carries model.safetensors.
             with tempfile.TemporaryDirectory(prefix="export-") as exported:
-                export_model(model, exported, spec)
+                export_model(model, exported, spec, tokenizer_file)
                 self._save(state, self._writer(state, model_dir=Path(exported)), sync=True)
         return self.loc.uri(step_dir_name(state.step))
 
@@ -258,7 +258,8 @@ class Checkpointer:
         torch.save(rng_state(), rng)
         extras: dict[str, bytes | Path] = {rng_file(self.rank): rng.getvalue()}
         if model_dir is not None and self.rank == 0:
-            extras.update({name: model_dir / name for name in (MODEL_FILE, MODEL_CONFIG_FILE)})
+            extras.update({name: model_dir / name for name in (MODEL_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE)
+                           if (model_dir / name).is_file()})
         evaluated = self.evaluated[1] if self.evaluated and self.evaluated[0] == step else None
         t0 = time.perf_counter()
 

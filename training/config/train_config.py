@@ -29,6 +29,7 @@ MODEL_KIND = {"mlp": "tabular", "cnn": "images", "transformer": "tokens"}
 # A built-in family, or a factory `package.module:function` (the module part may be one name).
 MODEL_PATTERN = r"^(mlp|cnn|transformer|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$"
 ADVANCED = "Trainer (advanced)"
+TEXT = "Text"
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 EVAL_METRICS = ("eval/accuracy", "eval/loss", "eval/r2", "eval/rmse")
 
@@ -40,7 +41,8 @@ def higher_is_better(metric: str) -> bool:
 
 def metric_task(metric: str) -> str | None:
     """The task that logs ``metric`` (None: every task logs it)."""
-    return {"eval/accuracy": "classification", "eval/r2": "regression", "eval/rmse": "regression"}.get(metric)
+    return {"eval/accuracy": "classification", "eval/r2": "regression", "eval/rmse": "regression",
+            "eval/perplexity": "language_modeling", "eval/bits_per_byte": "language_modeling"}.get(metric)
 
 
 @dataclass(kw_only=True)
@@ -61,6 +63,17 @@ class TrainConfig:
     task: Literal["auto", "classification", "regression"] = knob(
         "auto", "auto: a label of integers with at most 50 distinct values in train is classification, any other "
         "numeric label regression (the run records which and why)", title="Task", tag=True)
+    text_column: str | None = knob(
+        None, "the column of documents (strings, or token ids as list<int>): the data is text and the model a language "
+        "model, or a classifier when the table also holds label_column; empty: a table of numbers",
+        title="Text column", section=TEXT)
+    tokenizer: str | None = knob(
+        None, "how text becomes tokens: the path or s3:// URI of a tokenizer.json (Hugging Face tokenizers), bpe:N (a "
+        "byte-level BPE of N tokens trained on the train split, kept with the run and the model) or bytes (one "
+        "token per byte); empty: bytes", title="Tokenizer", section=TEXT,
+        schema={"examples": ["bpe:4096", "bytes"]})
+    seq_len: int = knob(128, "tokens per training sequence (text)", title="Sequence length", minimum=2,
+                        maximum=1_048_576, section=TEXT)
     validation_fraction: float = knob(
         0.2, "share of a one-table dataset's rows that go to validation: a hash of each row's values and split_seed "
         "decides, so appended rows never move existing ones; unused when the data has its own validation split",
@@ -100,7 +113,7 @@ class TrainConfig:
         0, "score the validation split every N steps during training: eval/loss and eval/accuracy curves (0 = off; "
         "the evaluate task still scores the final checkpoint)", title="Evaluate every N steps", minimum=0,
         maximum=10_000_000)
-    target_metric: Literal["none", "eval/accuracy", "eval/loss", "eval/r2", "eval/rmse"] = knob(
+    target_metric: Literal["none", "eval/accuracy", "eval/loss", "eval/r2", "eval/rmse", "eval/bits_per_byte"] = knob(
         "none", "time-to-train: log time_to_target_s and steps_to_target the first time this metric reaches "
         "target_value (none = no target; accuracy for classification, r2 and rmse for regression); needs "
         "eval_every > 0", title="Target metric")
@@ -153,6 +166,9 @@ class TrainConfig:
         per_run=True)
     output_dir: str = knob("", "folder for the run's records: steps.jsonl, train_summary.json, run_clock.json, "
                            "train.log", form=False, per_run=True)
+    token_shards: str = knob(
+        "", "the token windows the tokenize step made of a text dataset (a folder or s3:// prefix with a manifest): "
+        "the ranks read them instead of dataset_uri", form=False, per_run=True)
     dataset_fingerprint: str = knob(
         "", "the data fingerprint the data gate recorded: the ranks refuse data whose files hash differently "
         "(empty: no check)", form=False, per_run=True)
@@ -177,6 +193,8 @@ class TrainConfig:
         """The model must read the kind of data the dataset holds (a factory reads any), and the
         target metric must be one the dataset's task logs."""
         kind = MODEL_KIND.get(self.model)
+        if kind == "tokens" and meta.get("kind") == "text":  # text reaches the model as token ids
+            kind = "text"
         if kind is not None and kind != meta.get("kind"):
             raise ConfigError("model", f"{self.model} reads {kind} data but {self.dataset_uri} holds "
                               f"{meta.get('kind')} data", f"use a {kind} dataset or another model")
@@ -203,7 +221,7 @@ class TrainConfig:
         """Hash of what determines the trained weights (not where files go)."""
         # Evaluation during training reads the weights but never changes them.
         skip = ("checkpoint_dir", "output_dir", "eval_every", "target_metric", "target_value", "dataset_fingerprint",
-                "retention_keep_last")
+                "retention_keep_last", "token_shards")
         keep = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -234,9 +252,27 @@ def check_rules(cfg: TrainConfig) -> None:
         if cfg.target_metric in ("eval/accuracy", "eval/r2") and not 0.0 < cfg.target_value <= 1.0:
             raise ConfigError("target_value", f"{cfg.target_value!r} is not a reachable {cfg.target_metric}",
                               "use a value in (0, 1], e.g. 0.8")
+    if cfg.text_column:
+        check_tokenizer(cfg.tokenizer or "")
+    elif cfg.tokenizer:
+        raise ConfigError("tokenizer", f"{cfg.tokenizer!r} tokenizes text, but text_column is empty",
+                          "name the column of documents in text_column, or leave tokenizer empty for a table")
     if cfg.model == "transformer" and cfg.hidden % cfg.n_heads:
         raise ConfigError("n_heads", f"hidden={cfg.hidden} is not divisible by n_heads={cfg.n_heads}",
                           "choose n_heads dividing hidden (the transformer's width)")
+
+
+BPE_RE = re.compile(r"^bpe:(\d+)$")
+MIN_BPE = 258  # the 256 bytes, the end-of-text token and at least one merge
+
+
+def check_tokenizer(value: str) -> None:
+    """The ``tokenizer`` field's syntax (a file's existence is checked when it is read)."""
+    m = BPE_RE.match(value)
+    if value.startswith("bpe:") and (m is None or int(m[1]) < MIN_BPE):
+        raise ConfigError("tokenizer", f"{value!r} is not bpe:N with N >= {MIN_BPE}",
+                          f"write e.g. bpe:4096 (the vocabulary size, at least {MIN_BPE}: the 256 bytes, the "
+                          "end-of-text token and one merge)")
 
 
 def load_train_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:

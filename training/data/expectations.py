@@ -120,9 +120,16 @@ def build_suite(schema: DatasetSchema, *, name: str, dtypes: dict[str, Any] | No
             ex.append(gxe.ExpectColumnMaxToBeBetween(column=c.name, min_value=lo, max_value=hi))
         if c.values is not None:
             ex.append(gxe.ExpectColumnValuesToBeInSet(column=c.name, value_set=list(c.values)))
-    if set(names) <= have:
-        # Every row of a duplicate group (the original too) counts as duplicated.
-        ex.append(_custom_expectations()["rows_unique"](column_list=names, mostly=1.0 - schema.max_duplicate_fraction))
+        if c.min_length is not None and (actual is None or pd_types.is_string_dtype(actual)
+                                         or pd_types.is_object_dtype(actual)):
+            ex.append(gxe.ExpectColumnValueLengthsToBeBetween(column=c.name, min_value=c.min_length))
+    # Every row of a duplicate group (the original too) counts as duplicated; nested values (token
+    # ids as lists) have no row hash, the other columns still count.
+    hashable = [c.name for c in schema.columns if not (schema.kind == "text" and c.dtype == "any")]
+    if set(names) <= have and len(hashable) > 1:
+        ex.append(_custom_expectations()["rows_unique"](column_list=hashable, mostly=1.0 - schema.max_duplicate_fraction))
+    elif set(names) <= have and hashable:  # one column (documents alone): GX's own check of one column
+        ex.append(gxe.ExpectColumnValuesToBeUnique(column=hashable[0], mostly=1.0 - schema.max_duplicate_fraction))
     labels = schema.label_values()
     if schema.class_fraction and schema.label in have and labels:
         ex.append(_custom_expectations()["class_fractions"](

@@ -23,6 +23,7 @@ from typing import Any
 
 from training.data.dataset import Dataset
 from training.data.expectations import build_suite
+from training.data.text import text_checks
 from training.config.fields import ConfigError
 from training.data.schema import (  # noqa: F401 (the gate's schema types, importable from here too)
     DTYPE_FAMILIES,
@@ -78,6 +79,13 @@ def _plain(v: Any) -> Any:
     return v
 
 
+def _short(value: Any, limit: int = 60) -> Any:
+    """An example value for a verdict line: a long string (a document) cut to its start, on one line."""
+    if isinstance(value, str) and len(value) > limit:
+        return _one_line(value[:limit]) + "..."
+    return _one_line(value) if isinstance(value, str) else value
+
+
 def _one_line(text: str) -> str:
     """Error texts from readers can hold newlines and raw bytes; a verdict line holds neither."""
     text = " ".join(text.split())
@@ -118,7 +126,8 @@ def _failure(split: str, r, schema: DatasetSchema) -> dict[str, Any]:
         observed = res["unexpected_count"]
         seen = f"{observed} bad values"
         # Examples of a null check are all null: they say nothing the count does not.
-        examples = [e for e in (_plain(v) for v in res.get("partial_unexpected_list") or []) if e not in ("NaN", "null")][:3]
+        examples = [_short(e) for e in (_plain(v) for v in res.get("partial_unexpected_list") or [])
+                    if e not in ("NaN", "null")][:3]
         if examples:
             seen += f", e.g. {examples}"
     elif "observed_value" in res:
@@ -177,6 +186,9 @@ def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, e
             "class_name": "SiteBuilder", "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
             "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": str(docs_dir)}})
     source = context.data_sources.add_pandas("pandas")
+    text_lines: list[str] = []
+    if schema.kind == "text":  # what a suite of column expectations cannot say about documents
+        text_lines, report["text"], tables = text_checks(tables, ds.meta["text_column"])
     for split, table in tables.items():
         # One pandas block per column: no copy into a 2-D block, and column access (GX touches
         # every column many times) stays a cheap view.
@@ -191,6 +203,8 @@ def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, e
                 f = _failure(split, r, schema)
                 report["failures"].append(f.pop("line"))
                 report["failed_expectations"].append({"line": report["failures"][-1], **f})
+    for line in text_lines:
+        fail(line)
     if docs_dir is not None:
         context.build_data_docs(site_names=["gate"])
         index = Path(docs_dir) / "index.html"
@@ -274,12 +288,12 @@ def gate_key(ds: Dataset, min_rows: int | None = None) -> str:
     import json
     from importlib.metadata import version
 
-    from training.data import expectations, options, schema, sources, split
+    from training.data import expectations, options, schema, sources, split, text
 
     h = hashlib.sha256()
     for part in (ds.fingerprint, json.dumps(ds.layout.meta, sort_keys=True, default=str),
                  json.dumps(asdict(ds.options), sort_keys=True, default=str),
-                 *(sha256_file(Path(m.__file__)) for m in (expectations, options, schema, sources, split)), sha256_file(Path(__file__)),
+                 *(sha256_file(Path(m.__file__)) for m in (expectations, options, schema, sources, split, text)), sha256_file(Path(__file__)),
                  version("great_expectations"), str(min_rows)):
         h.update(part.encode() + b"\0")
     return h.hexdigest()

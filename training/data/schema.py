@@ -51,6 +51,7 @@ class ColumnSchema:
     max: float | None = None
     values: list[Any] | None = None
     nullable: bool = False
+    min_length: int | None = None  # strings (documents): at least this many characters
 
 
 @dataclass(kw_only=True)
@@ -208,6 +209,8 @@ def describe(meta: dict[str, Any] | None, options: DataOptions, train: Callable[
         if task == "regression":
             out["n_classes"] = 1
         return out
+    if options.text_column:
+        return _describe_text(train(), options)
     described = _describe_table(train(), options)
     return {**described, **{k: v for k, v in (meta or {}).items() if k == "normalize"}}
 
@@ -227,12 +230,45 @@ def _describe_table(table, options: DataOptions) -> dict[str, Any]:
         raise ConfigError("label_column", f"{label!r} has {missing} missing values (null or NaN) in the train split",
                           "drop those rows or fill in their labels")
     features, ignored = _features(table, options)
-    task, reason, classes = _task(table.column(label), label, options.task)
+    task, reason, classes = label_task(table.column(label), label, options.task)
     out: dict[str, Any] = {"kind": "tabular", "features": features, "feature_dtype": "float", "label": label,
                            "task": task, "task_reason": reason, "n_classes": len(classes) if classes else 1,
                            "normalize": True, "ignored_columns": ignored, "source": "inferred from the train split"}
     if classes:
         out["classes"] = classes
+    return out
+
+
+def _describe_text(table, options: DataOptions) -> dict[str, Any]:
+    """A table of documents (``text_column``: strings, or token ids as list<int>): a language
+    model's data, or a classifier's when the table also has ``label_column``."""
+    import pyarrow as pa
+
+    names, col = table.column_names, options.text_column
+    if col not in names:
+        raise ConfigError("text_column", f"{col!r} is not a column of the train split (its columns: {', '.join(names)})",
+                          "set text_column to the column that holds the documents")
+    ctype = table.schema.field(col).type
+    is_ids = (pa.types.is_list(ctype) or pa.types.is_large_list(ctype)) and pa.types.is_integer(ctype.value_type)
+    if family(ctype) != "string" and not is_ids:
+        raise ConfigError("text_column", f"{col!r} holds {type_name(ctype)} values, not text",
+                          "write the documents as strings (or pre-tokenized ids as list<int>)")
+    out: dict[str, Any] = {"kind": "text", "text_column": col, "text_format": "token_ids" if is_ids else "text",
+                           "features": [col], "label": None, "source": "inferred from the train split"}
+    label = options.label_column
+    if label in names and label != col:
+        task, reason, classes = label_task(table.column(label), label, options.task)
+        if task != "classification":
+            raise ConfigError("task", f"text with label {label!r} trains a classifier, but {reason}",
+                              "write the classes as integers, or leave label_column out of the table to train a "
+                              "language model on the text")
+        out.update(label=label, task="classification", task_reason=f"text with the label {label!r}: classification "
+                   f"({len(classes)} classes)", n_classes=len(classes), classes=classes)
+    else:
+        if options.task not in ("auto", "language_modeling"):
+            raise ConfigError("task", f"{options.task} needs a label column, and the table has no {label!r}",
+                              "set task=auto for a language model on the text, or name the label in label_column")
+        out.update(task="language_modeling", task_reason=f"text without a label column ({label!r}): a language model")
     return out
 
 
@@ -262,7 +298,7 @@ def _features(table, options: DataOptions) -> tuple[list[str], list[str]]:
     return features, [c for c in names if c != label and c not in features]
 
 
-def _task(column, label: str, task: str) -> tuple[str, str, list[Any] | None]:
+def label_task(column, label: str, task: str) -> tuple[str, str, list[Any] | None]:
     """(task, the reason in words, the classes of a classification)."""
     import pyarrow.compute as pc
 
@@ -334,10 +370,13 @@ def infer_schema(table, description: dict[str, Any], columns: list[dict[str, Any
     range on each side; a classification label among train's classes."""
     by_name = {c["name"]: c for c in (columns or profile(table))}
     used = {*description["features"], description["label"]}
+    text = description.get("text_column")
     cols = []
     for name in table.column_names:
         p = by_name.get(name) or profile(table, [name])[0]
-        if name == description["label"] and description.get("classes"):
+        if name == text:  # documents: present and not empty (token ids: present)
+            cols.append(ColumnSchema(name=name, dtype=p["dtype"], min_length=1 if p["dtype"] == "string" else None))
+        elif name == description["label"] and description.get("classes"):
             cols.append(ColumnSchema(name=name, dtype=p["dtype"], values=list(description["classes"])))
         elif name in used and p["dtype"] in NUMERIC and p.get("min") is not None:
             lo, hi = float(p["min"]), float(p["max"])
@@ -346,7 +385,7 @@ def infer_schema(table, description: dict[str, Any], columns: list[dict[str, Any
         else:
             cols.append(ColumnSchema(name=name, dtype=p["dtype"], nullable=name not in used))
     label = description["label"] if description.get("classes") else None
-    return DatasetSchema(kind="tabular", columns=cols, label=label, min_rows=INFERRED_MIN_ROWS,
+    return DatasetSchema(kind=description.get("kind", "tabular"), columns=cols, label=label, min_rows=INFERRED_MIN_ROWS,
                          max_duplicate_fraction=0.01)
 
 

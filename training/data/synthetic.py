@@ -151,7 +151,39 @@ def make_markov_dataset(root: str | Path, *, n_train: int = 8_000, n_val: int = 
     return meta
 
 
-GENERATORS = {"teacher": make_teacher_dataset, "digits": make_digits_dataset, "markov": make_markov_dataset}
+def python_help_paragraphs() -> list[str]:
+    """Real English text that ships with Python: the paragraphs of its interactive help topics
+    (``pydoc_data.topics``, about 0.5 MB), each once, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    seen: dict[str, None] = {}
+    for name in sorted(topics):
+        for para in topics[name].split("\n\n"):
+            para = para.strip("\n")
+            if len(para.strip()) >= 40:
+                seen.setdefault(para, None)
+    return list(seen)
+
+
+def make_text_dataset(root: str | Path, *, validation_share: float = 0.2) -> dict[str, Any]:
+    """Documents of real text (``python_help_paragraphs``) in train/ and validation/ Parquet files
+    with one column ``text``; a document goes to validation by a hash of its text. No dataset.json:
+    text needs none (``text_column=text``)."""
+    import hashlib
+
+    root = Path(root)
+    docs = python_help_paragraphs()
+    val = [hashlib.sha256(d.encode()).digest()[0] < 256 * validation_share for d in docs]
+    counts = {}
+    for split, keep in (("train", False), ("validation", True)):
+        part = [d for d, v in zip(docs, val) if v == keep]
+        _write_split(root, split, {"text": part})
+        counts[split] = len(part)
+    return {"kind": "text", "text_column": "text", "rows": counts}
+
+
+GENERATORS = {"teacher": make_teacher_dataset, "digits": make_digits_dataset, "markov": make_markov_dataset,
+              "text": make_text_dataset}
 
 
 def read_meta(root: str | Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@ records of every attempt, bus bandwidth, whether a target was reached. No torch,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -81,3 +82,9 @@ def lineage_summary(records: Iterable[dict[str, Any]], *, start: float, end: flo
     wall = max(end - start, 1e-9)
     return {"productive_s": productive, "lost_to_restarts_s": lost, "wall_s": wall, "goodput": productive / wall,
             "device_s": device if ends else wall * world_size, "lost_device_s": lost_device}
+
+
+def bits_per_byte(loss_nats: float, tokens_per_byte: float | None) -> float | None:
+    """A language model's loss (nats per token) as bits per UTF-8 byte of the text it scored: the
+    figure that stays comparable across tokenizers. None without the text's size."""
+    return loss_nats / math.log(2) * tokens_per_byte if tokens_per_byte else None

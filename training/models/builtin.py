@@ -1,4 +1,5 @@
-"""The built-in model families: ``mlp`` (tables), ``cnn`` (images), ``transformer`` (tokens)."""
+"""The built-in model families: ``mlp`` (tables), ``cnn`` (images), ``transformer`` (a decoder over token ids:
+your text through a tokenizer, or the Markov generator's tokens)."""
 
 from __future__ import annotations
 
@@ -53,42 +54,63 @@ class CNN(nn.Module):
         return self.head(self.features(x))
 
 
+def rotary_angles(head_dim: int, positions: int, like: torch.Tensor, base: float = 10_000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding (RoPE): the cosines and sines by which queries and keys are
+    rotated, pairwise over the head dimension, per position. Computed per forward from the shape
+    (a few thousand numbers): no buffer in the model's state, nothing cached across calls."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=like.device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(positions, device=like.device, dtype=torch.float32), inv_freq)
+    return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ([batch, heads, positions, head_dim]) rotated by position."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
 class Block(nn.Module):
-    """Pre-norm decoder block: causal self-attention, then an MLP."""
+    """Pre-norm decoder block: RMSNorm, causal scaled-dot-product attention with rotary positions,
+    RMSNorm, a SwiGLU MLP; both with residual connections."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float):
         super().__init__()
         self.n_heads, self.dropout = n_heads, dropout
-        self.ln1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.attn_norm = nn.RMSNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.mlp_norm = nn.RMSNorm(d_model)
+        hidden = 64 * math.ceil(8 * d_model / 3 / 64)  # SwiGLU's usual 8/3 width, rounded up to 64
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = self.qkv(self.attn_norm(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.drop(self.down(F.silu(gate) * up))
 
 
 class Transformer(nn.Module):
-    """Small GPT-style decoder over token sequences."""
+    """A decoder-only language model over token ids: embedding, ``n_layers`` blocks (RMSNorm,
+    rotary positions, SwiGLU, causal attention), a final RMSNorm and the output projection."""
 
     def __init__(self, *, vocab_size: int, seq_len: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
                  dropout: float = 0.0):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
-        self.pos = nn.Embedding(seq_len, d_model)
+        self.head_dim = d_model // n_heads
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
-        self.ln_f = nn.LayerNorm(d_model)
+        self.norm = nn.RMSNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+        for name, p in self.named_parameters():  # residual projections scaled down with depth (GPT-2)
+            if name.endswith(("proj.weight", "down.weight")):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layers))
 
     @property
@@ -103,8 +125,8 @@ class Transformer(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok(idx) + self.pos(pos)
+        x = self.tok(idx)
+        cos, sin = rotary_angles(self.head_dim, idx.shape[1], x)
         for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+            x = block(x, cos, sin)
+        return self.head(self.norm(x))

@@ -20,7 +20,7 @@ BUILTIN = ("mlp", "cnn", "transformer")
 FACTORY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 # The keys of model_config.json that are fields of their own; every other key is the family's (arch).
 _FIELDS = ("model", "kind", "task", "features", "label", "model_args", "classes", "in_features", "n_classes",
-           "image_shape", "vocab_size", "seq_len", "normalization", "target")
+           "image_shape", "vocab_size", "seq_len", "normalization", "target", "tokenizer_sha256")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +39,7 @@ class ModelSpec:
     seq_len: int | None = None  # tokens: positions the model reads (a row holds seq_len + 1)
     normalization: dict[str, list[float]] | None = None  # tabular: {"mean": [...], "std": [...]} per feature
     target: dict[str, float] | None = None  # regression: {"mean", "std"} of the train label
+    tokenizer_sha256: str | None = None  # text: the tokenizer whose ids the model reads (tokenizer.json beside it)
     arch: dict[str, Any] = field(default_factory=dict)  # the built-in family's sizes
     # A model_config.json written before the spec named its label and task: the dataset's description says.
     label_from_data: bool = False
@@ -85,6 +86,8 @@ class ModelSpec:
             out.update(image_shape=list(meta["image_shape"]), n_classes=int(meta["n_classes"]))
         elif kind == "tokens":
             out.update(vocab_size=int(meta["vocab_size"]), seq_len=int(meta["seq_len"]), n_classes=int(meta["vocab_size"]))
+            if meta.get("tokenizer_sha256"):
+                out["tokenizer_sha256"] = meta["tokenizer_sha256"]
         if model == "mlp":
             out["arch"] = {"hidden": hidden, "depth": depth}
         elif model == "cnn":
@@ -103,7 +106,7 @@ class ModelSpec:
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         out["n_classes"] = self.n_classes
-        for key in ("normalization", "target"):
+        for key in ("normalization", "target", "tokenizer_sha256"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return {**out, **self.arch}

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 GATE_METRIC = "eval/accuracy"
-DEFAULT_GATE_METRIC = {"classification": "eval/accuracy", "regression": "eval/r2"}
+DEFAULT_GATE_METRIC = {"classification": "eval/accuracy", "regression": "eval/r2",
+                       "language_modeling": "eval/bits_per_byte"}  # comparable across tokenizers
 TAG_DECISION = "registry.decision"
 TAG_REASON = "registry.reason"
 TAG_ALIASES = "registry.aliases"
@@ -64,7 +65,7 @@ def log_model(run_id: str, model_dir: str | Path, *, example_inputs, step: int):
     import torch
     from mlflow.models import infer_signature
 
-    from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, load_exported
+    from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, load_exported
 
     model_dir = Path(model_dir)
     experiment_id = _client().get_run(run_id).info.experiment_id
@@ -85,7 +86,8 @@ def log_model(run_id: str, model_dir: str | Path, *, example_inputs, step: int):
             # Pinned instead of inferred: inference imports the model in a subprocess (slow) and
             # would list this machine's whole environment.
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "numpy"],
-            extra_files=[str(model_dir / MODEL_FILE), str(model_dir / MODEL_CONFIG_FILE)],
+            extra_files=[str(model_dir / name) for name in (MODEL_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE)
+                         if (model_dir / name).is_file()],
             metadata={"model_config": json.dumps(spec.to_json())},
         )
 

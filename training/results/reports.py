@@ -267,3 +267,13 @@ def run_plots(client, run_id: str, out: Path) -> list[Path]:
         written.append(out / "throughput_step_time.png")
         save(fig, written[-1], (ax1, ax2))
     return written
+
+
+def samples_markdown(samples: dict[str, Any]) -> str:
+    """The model's text for a person: each prompt, then its greedy and its sampled continuation."""
+    lines = [f"# Samples\n\nValidation documents' beginnings continued by the model (tokenizer "
+             f"{samples.get('tokenizer', '?')}; sampled: {samples.get('sampling', '')}).\n"]
+    for i, prompt in enumerate(samples.get("prompts") or []):
+        lines += [f"## Prompt {i + 1}\n", "```text", prompt, "```", "**Greedy:**\n", "```text",
+                  samples["greedy"][i], "```", "**Sampled:**\n", "```text", samples["sampled"][i], "```\n"]
+    return "\n".join(lines) + "\n"

@@ -32,7 +32,7 @@ from airflow.sdk import TaskGroup, task
 from training_airflow import settings
 from training_airflow.connections import store_env
 from training_airflow.failures import fails_fast
-from training_airflow.handoff import Handoff, Validated
+from training_airflow.handoff import Handoff, Validated, committed
 from training_airflow.mlflow_run import run_logger
 from training_airflow.run_config import train_config
 
@@ -206,7 +206,8 @@ def run_torchrun(params: dict[str, Any], validated: Validated) -> dict[str, Any]
     run_id = validated["mlflow_run_id"]
     run_dir = settings.work_dir(run_id)
     cfg = train_config(params, dataset_uri=validated["dataset_uri"], checkpoint_dir=checkpoint_dir(params, run_id),
-                               output_dir=str(run_dir / "output"), dataset_fingerprint=validated["dataset_fingerprint"])
+                               output_dir=str(run_dir / "output"), dataset_fingerprint=validated["dataset_fingerprint"],
+                               token_shards=validated.get("token_shards", ""))
     cfg.check_device(cuda_available())  # the ranks run on this machine: refuse what it cannot do
     config_path = run_dir / "train_config.json"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -268,9 +269,7 @@ def commit(params: dict[str, Any], trained: dict[str, Any]) -> Handoff:
     except StoreError as e:
         raise RuntimeError(f"checkpoint {'commit check' if in_store else 'upload'} failed: {e}") from None
     logger.set_tags({"checkpoint.uri": uri})
-    return Handoff(mlflow_run_id=run_id, dataset_uri=trained["dataset_uri"],
-                   dataset_fingerprint=trained["dataset_fingerprint"], checkpoint_uri=uri,
-                   final_step=step, torchrun_wall_s=trained["torchrun_wall_s"])
+    return committed(trained, checkpoint_uri=uri, final_step=step, torchrun_wall_s=trained["torchrun_wall_s"])
 
 
 def train_and_commit(validated: Any) -> Any:

@@ -36,7 +36,7 @@ from training_airflow.backends.kubernetes.spec import (
 )
 from training_airflow.connections import store_env
 from training_airflow.failures import fails_fast
-from training_airflow.handoff import Handoff, Validated
+from training_airflow.handoff import Handoff, Validated, committed
 from training_airflow.mlflow_run import run_logger
 
 log = logging.getLogger(__name__)
@@ -55,9 +55,7 @@ def committed_handoff(params: dict[str, Any], validated: Validated, *, job: dict
         latest = read_commit(run_location(params["store_uri"], params["experiment"], run_id, store_env(params)))
     except StoreError as e:
         raise RuntimeError(f"training finished but {e}") from None
-    return Handoff(mlflow_run_id=run_id, dataset_uri=validated["dataset_uri"],
-                   dataset_fingerprint=validated["dataset_fingerprint"], checkpoint_uri=latest["uri"],
-                   final_step=latest["step"], torchrun_wall_s=job_wall_s(job))
+    return committed(validated, checkpoint_uri=latest["uri"], final_step=latest["step"], torchrun_wall_s=job_wall_s(job))
 
 
 @fails_fast
@@ -191,7 +189,8 @@ class TrainingJobOperator(_RunBound, KubernetesJobOperator):
         params = context["params"]
         names_ = self._names(context)
         tracking_uri = pod_tracking_uri(params, os.environ.get("MLFLOW_TRACKING_URI"))
-        cfg = pod_train_config(params, run_dir=names_.run_dir, run_id=self._run_id(context))
+        cfg = pod_train_config(params, run_dir=names_.run_dir, run_id=self._run_id(context),
+                               token_shards=self.handoff.get("token_shards", ""))
         apply_kwargs(self, job_operator_kwargs(params, names_, mlflow_run_id=self._run_id(context),
                                                tracking_uri=tracking_uri, train_config=cfg))
         self.startup_timeout_s = float(params["k8s_startup_timeout_s"])

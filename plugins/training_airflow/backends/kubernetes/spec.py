@@ -151,9 +151,11 @@ def in_store(params: dict[str, Any]) -> bool:
     return params.get("checkpoint_location", "store") == "store"
 
 
-def pod_train_config(params: dict[str, Any], *, run_dir: str, run_id: str, world_size: int | None = None) -> dict[str, Any]:
+def pod_train_config(params: dict[str, Any], *, run_dir: str, run_id: str, world_size: int | None = None,
+                     token_shards: str = "") -> dict[str, Any]:
     """The TrainConfig the pods run, built by the same code as the local backend's. With the
-    checkpoints in the store the run's records (steps.jsonl...) stay in the pod's /tmp."""
+    checkpoints in the store the run's records (steps.jsonl...) stay in the pod's /tmp; text is
+    read from its token windows in the store (``token_shards``)."""
     from training.checkpoint.commit import run_uri
     from training_airflow import run_config
 
@@ -163,7 +165,8 @@ def pod_train_config(params: dict[str, Any], *, run_dir: str, run_id: str, world
         where = {"checkpoint_dir": f"{run_dir}/checkpoints", "output_dir": f"{run_dir}/output"}
     # The preemption grace is the pod's (``grace``), not the local backend's Param.
     cfg = run_config.train_config({**params, "preempt_grace_s": grace(params).rank_s},
-                               world_size=world_size or world_sizes(params)[-1], **where).to_dict()
+                               world_size=world_size or world_sizes(params)[-1], token_shards=token_shards,
+                               **where).to_dict()
     if not str(cfg["dataset_uri"]).startswith("s3://"):  # the pods read an s3:// dataset themselves
         cfg["dataset_uri"] = params["k8s_dataset_path"]
     return cfg

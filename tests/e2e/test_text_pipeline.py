@@ -1,0 +1,76 @@
+"""A language model on your own text, through the whole DAG for real (dag.test, torchrun with 2
+gloo ranks, MLflow on SQLite): Python's help text as Parquet documents, a BPE trained on the train
+split, the tokenize task's windows, the built-in decoder, bits per byte, samples of its text; then
+the same data and tokenizer on moto's S3 server, whose windows the store already holds."""
+
+import json
+from pathlib import Path
+
+import boto3
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import load_dag
+from training.data.dataset import open_dataset
+from training.data.options import DataOptions
+from training.data.synthetic import make_text_dataset
+from training.data.text import documents, unigram_byte_entropy
+
+pytestmark = pytest.mark.slow
+TEXT = {"text_column": "text", "model": "transformer", "hidden": 128, "depth": 2, "n_heads": 4, "seq_len": 64,
+        "batch_size": 32, "lr": 3e-3, "checkpoint_every": 0, "target_metric": "none", "world_size": 2}
+
+
+def _run(conf):
+    dag_run = load_dag("distributed_training").test(run_conf=conf)
+    states = {ti.task_id: str(ti.state).rsplit(".", 1)[-1].lower() for ti in dag_run.get_task_instances()}
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(conf["experiment"])
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`airflow.dag_run_id` = '{dag_run.run_id}'")
+    return states, client, run
+
+
+def test_a_language_model_on_text_then_the_same_text_from_s3(airflow_db, s3_server, tmp_path):
+    data = tmp_path / "python-help"
+    make_text_dataset(data)
+    store = (tmp_path / "store").as_uri()
+    states, client, run = _run({**TEXT, "dataset_uri": str(data), "tokenizer": "bpe:600", "steps": 150,
+                                "experiment": "text-lm", "store_uri": store})
+    assert set(states.values()) == {"success"}, states
+    assert states["tokenize"] == "success"
+    m, tags = run.data.metrics, run.data.tags
+    validation = documents(open_dataset(data, DataOptions(text_column="text")).table("validation"), "text")
+    # Below what byte frequencies alone reach: the model learned the text, whatever its tokenizer.
+    assert m["eval/bits_per_byte"] < unigram_byte_entropy(validation) - 1.0, m
+    assert m["eval/perplexity"] == pytest.approx(2.718281828 ** m["eval/loss"], rel=1e-6)
+    assert tags["tokens.cache"] == "made" and tags["tokenizer"] == "bpe:600" and tags["data.task"] == "language_modeling"
+    summary = json.loads(Path(client.download_artifacts(run.info.run_id, "summary.json", str(tmp_path))).read_text())
+    assert summary["validation_tokens"] > 0 and 0.2 < summary["validation_tokens_per_byte"] < 1
+    samples = json.loads(Path(client.download_artifacts(run.info.run_id, "samples/samples.json", str(tmp_path))).read_text())
+    assert len(samples["prompts"]) == len(samples["greedy"]) == len(samples["sampled"]) == 4
+    assert all(isinstance(s, str) and s for s in samples["sampled"])
+    assert "## Prompt 1" in Path(client.download_artifacts(run.info.run_id, "samples/samples.md", str(tmp_path))).read_text()
+    # The registered model carries its tokenizer, the one the run trained.
+    version = client.get_model_version("text-lm", tags["registry.version"])
+    model_dir = Path(client.download_artifacts(version.run_id, "", str(tmp_path / "reg")))
+    assert version.tags["registry.decision"] == "champion"
+    run_tokenizer = Path(client.download_artifacts(run.info.run_id, "tokenizer/tokenizer.json", str(tmp_path / "t")))
+    registered = [p for p in (tmp_path / "reg").rglob("tokenizer.json") if "extra_files" in str(p)] or \
+        [p for p in Path(model_dir).rglob("tokenizer.json")]
+    assert registered and registered[0].read_text() == run_tokenizer.read_text()
+
+    # The same documents and tokenizer, now in S3: the store holds their windows already.
+    s3 = boto3.client("s3", endpoint_url=s3_server["endpoint"])
+    s3.create_bucket(Bucket="corpus")
+    for f in data.rglob("*.parquet"):
+        s3.upload_file(str(f), "corpus", f"python-help/{f.relative_to(data).as_posix()}")
+    s3.upload_file(str(run_tokenizer), "corpus", "tokenizers/bpe-600.json")
+    states, client, again = _run({**TEXT, "dataset_uri": "s3://corpus/python-help", "steps": 20,
+                                  "tokenizer": "s3://corpus/tokenizers/bpe-600.json", "experiment": "text-lm",
+                                  "store_uri": store})
+    assert set(states.values()) == {"success"}, states
+    t = again.data.tags
+    assert t["tokens.cache"] == "hit" and t["tokens.uri"] == tags["tokens.uri"], (t["tokens.cache"], t["tokens.uri"])
+    assert t["tokenizer.sha256"] == tags["tokenizer.sha256"] and t["data.fingerprint"] == tags["data.fingerprint"]
+    # 20 steps do not beat 150 on bits per byte: the registry keeps the champion.
+    assert t["registry.decision"] == "challenger" and "eval/bits_per_byte" in t["registry.reason"]

@@ -1,0 +1,188 @@
+"""Token shards: what the ranks read of a text dataset, made once by the tokenize step.
+
+``build`` tokenizes each split, puts the end-of-text token after every document, packs the stream
+into windows of ``seq_len + 1`` tokens (the model reads the first ``seq_len`` and predicts the
+last ``seq_len``; the tail shorter than a window is dropped) and writes ``train.npy``,
+``validation.npy``, ``tokenizer.json`` and ``tokens.json`` (documents, UTF-8 bytes and tokens per
+split, prompts for samples) under ``{store}/tokens/{key}/``, ``manifest.json`` (each file's size
+and sha256) last. The key hashes the data fingerprint, the tokenizer and ``seq_len``: a second run
+on the same data finds the shards (a cache hit). ``open_shards`` reads them back, each file
+verified against the manifest; ``TokenDataset`` serves them as a dataset of kind ``tokens``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from training.config.fields import ConfigError
+from training.data.dataset import Dataset, Split
+from training.data.sources import cache_dir
+from training.data.text import documents
+from training.data.tokenizer import LoadedTokenizer, load_json
+from training.store import StoreError, open_store
+from training.util import sha256_file
+
+FORMAT = 1  # bump when the shards' layout changes: old keys then miss
+SPLITS = ("train", "validation")
+MANIFEST, STATS, TOKENIZER = "manifest.json", "tokens.json", "tokenizer.json"
+PROMPTS = 4  # validation documents whose beginning the samples continue
+PROMPT_CHARS = 80
+
+
+def shard_key(fingerprint: str, tokenizer_sha256: str, seq_len: int, text_column: str) -> str:
+    parts = (str(FORMAT), fingerprint, tokenizer_sha256, str(seq_len), text_column)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+@dataclass
+class Built:
+    uri: str  # the shards' folder in the store
+    key: str
+    cache_hit: bool
+    stats: dict[str, Any]  # tokens.json
+    seconds: float
+
+
+def _windows(ids: list[list[int]], eot: int, seq_len: int) -> tuple[np.ndarray, int]:
+    """The documents' ids joined by the end-of-text token, cut into windows of ``seq_len + 1``;
+    (windows, tokens of the stream)."""
+    stream = np.fromiter((t for doc in ids for t in (*doc, eot)), dtype=np.int64)
+    n = len(stream) // (seq_len + 1)
+    return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1), len(stream)
+
+
+def _encode(docs: list[Any], tok: LoadedTokenizer) -> tuple[list[list[int]], int]:
+    """Token ids of each document, and the UTF-8 bytes the tokenizer could not represent (its
+    unknown token's spans; 0 for byte-level tokenizers)."""
+    if docs and not isinstance(docs[0], str):  # pre-tokenized (list<int>)
+        return [list(d) for d in docs], 0
+    encodings = tok.tokenizer.encode_batch(docs, add_special_tokens=False)
+    unk = tok.tokenizer.token_to_id(getattr(tok.tokenizer.model, "unk_token", None) or "") if docs else None
+    lost = 0
+    if unk is not None:
+        for doc, enc in zip(docs, encodings):
+            lost += sum(len(doc[a:b].encode("utf-8")) for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk)
+    return [e.ids for e in encodings], lost
+
+
+def build(dataset: Dataset, *, text_column: str, tokenizer: LoadedTokenizer, seq_len: int, store_uri: str,
+          env: Mapping[str, str] | None = None) -> Built:
+    """The token shards of ``dataset`` in ``{store_uri}/tokens/{key}``: found there, or made now."""
+    t0 = time.perf_counter()
+    key = shard_key(dataset.fingerprint, tokenizer.sha256, seq_len, text_column)
+    store = open_store(store_uri, env, field="store_uri")
+    prefix = f"tokens/{key}"
+    raw = store.get_bytes(f"{prefix}/{MANIFEST}")
+    if raw is not None:
+        stats = json.loads(store.get_bytes(f"{prefix}/{STATS}") or b"{}")
+        return Built(uri=f"{store.uri.rstrip('/')}/{prefix}", key=key, cache_hit=True, stats=stats,
+                     seconds=time.perf_counter() - t0)
+    stats: dict[str, Any] = {"format": FORMAT, "key": key, "seq_len": seq_len, "text_column": text_column,
+                             "tokenizer": tokenizer.source, "tokenizer_sha256": tokenizer.sha256,
+                             "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+                             "data_fingerprint": dataset.fingerprint, "splits": {}}
+    arrays: dict[str, np.ndarray] = {}
+    for split in SPLITS:
+        docs = [d for d in documents(dataset.table(split), text_column) if d is not None]
+        ids, lost = _encode(docs, tokenizer)
+        windows, tokens = _windows(ids, tokenizer.eot_id, seq_len)
+        if not len(windows):
+            raise ConfigError("seq_len", f"the {split} split holds {tokens} tokens, fewer than one window of "
+                              f"seq_len + 1 = {seq_len + 1}", "use a smaller seq_len, or more text")
+        nbytes = sum(len(d.encode("utf-8")) for d in docs) if docs and isinstance(docs[0], str) else 0
+        stats["splits"][split] = {"documents": len(docs), "bytes": nbytes, "tokens": tokens, "windows": len(windows),
+                                  "tokens_per_byte": tokens / nbytes if nbytes else None,
+                                  "unrepresented_bytes": lost, "unrepresented_share": lost / nbytes if nbytes else 0.0}
+        if split == "validation" and docs and isinstance(docs[0], str):
+            stats["prompts"] = [d[:PROMPT_CHARS] for d in docs[:PROMPTS]]
+        arrays[split] = windows.astype(np.uint16 if tokenizer.vocab_size <= 65_535 else np.int32)
+    with tempfile.TemporaryDirectory(prefix="tokens-") as tmp:
+        files = []
+        for split, arr in arrays.items():
+            np.save(Path(tmp) / f"{split}.npy", arr)
+            files.append(f"{split}.npy")
+        (Path(tmp) / TOKENIZER).write_text(tokenizer.to_json())
+        (Path(tmp) / STATS).write_text(json.dumps(stats, indent=2) + "\n")
+        files += [TOKENIZER, STATS]
+        entries = []
+        for name in files:
+            digest = sha256_file(Path(tmp) / name)
+            store.put_file(Path(tmp) / name, f"{prefix}/{name}", digest)
+            entries.append({"path": name, "size": (Path(tmp) / name).stat().st_size, "sha256": digest})
+        store.put_bytes(json.dumps({"key": key, "files": entries, "created_unix": time.time()}, indent=2).encode(),
+                        f"{prefix}/{MANIFEST}")  # last: shards without a manifest are never read
+    return Built(uri=f"{store.uri.rstrip('/')}/{prefix}", key=key, cache_hit=False, stats=stats,
+                 seconds=time.perf_counter() - t0)
+
+
+class TokenDataset:
+    """Token shards opened for training and scoring: a dataset of kind ``tokens`` whose splits are
+    the windows (int64 ``[n, seq_len + 1]``, no labels). ``meta`` carries the vocabulary, the
+    sequence length and the split sizes (tokens per byte, for bits per byte)."""
+
+    def __init__(self, uri: str, folder: Path, manifest: dict[str, Any]):
+        self.uri, self.folder = uri, folder
+        self.stats = json.loads((folder / STATS).read_text())
+        self.fingerprint = hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
+        s = self.stats
+        self.meta: dict[str, Any] = {
+            "kind": "tokens", "task": "language_modeling", "features": ["tokens"], "feature_dtype": "int",
+            "label": None, "vocab_size": s["vocab_size"], "n_classes": s["vocab_size"], "seq_len": s["seq_len"],
+            "source": f"token shards {uri}", "tokens": s["splits"], "tokenizer_sha256": s["tokenizer_sha256"],
+            "task_reason": f"text of {s['text_column']!r} through the tokenizer {s['tokenizer']}"}
+        self._splits: dict[str, np.ndarray] = {}
+
+    def split(self, name: str, spec: Any = None, *, limit: int | None = None) -> Split:
+        if name not in self._splits:
+            self._splits[name] = np.load(self.folder / f"{name}.npy").astype(np.int64)
+        windows = self._splits[name]
+        if spec is not None and spec.seq_len is not None and spec.seq_len + 1 != windows.shape[1]:
+            raise ConfigError("seq_len", f"the model reads {spec.seq_len} tokens but the shards hold windows of "
+                              f"{windows.shape[1] - 1}", "score the model on shards of its own seq_len")
+        return Split(features=windows[:limit] if limit is not None else windows, labels=None)
+
+    @property
+    def tokenizer_file(self) -> Path:
+        return self.folder / TOKENIZER
+
+    def tokens_per_byte(self, split: str = "validation") -> float | None:
+        return self.stats["splits"][split].get("tokens_per_byte")
+
+    def tokenizer(self) -> LoadedTokenizer:
+        text = (self.folder / TOKENIZER).read_text()
+        return LoadedTokenizer(tokenizer=load_json(text, f"{self.uri}/{TOKENIZER}"), source=self.stats["tokenizer"],
+                               eot_id=int(self.stats["eot_id"]))
+
+
+def open_shards(uri: str, env: Mapping[str, str] | None = None) -> TokenDataset:
+    """The shards at ``uri`` (a folder or ``s3://`` prefix), every file verified against the
+    manifest: read in place from a folder, downloaded once per machine from S3."""
+    store = open_store(uri, env, field="token_shards")
+    raw = store.get_bytes(MANIFEST)
+    if raw is None:
+        raise ConfigError("token_shards", f"{uri} holds no {MANIFEST}: the tokenize step did not finish there",
+                          "run the tokenize step again (a new DAG run makes them)")
+    manifest = json.loads(raw)
+    local = store.local_path("")
+    folder = local if local is not None else cache_dir() / "tokens" / manifest["key"]
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in manifest["files"]:
+        path = folder / f["path"]
+        if local is None and not (path.is_file() and sha256_file(path) == f["sha256"]):
+            tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
+            store.get_file(f["path"], tmp)
+            os.replace(tmp, path)
+        if sha256_file(path) != f["sha256"]:
+            raise StoreError(f"{uri}/{f['path']} does not match its manifest sha256: the shards are damaged; "
+                             "delete the folder and run the tokenize step again")
+    return TokenDataset(uri, folder, manifest)
+
