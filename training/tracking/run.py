@@ -4,7 +4,7 @@
 the run id travels as ``MLFLOW_RUN_ID``, the store as ``MLFLOW_TRACKING_URI``. ``RunLogger`` is rank
 0's logger: params, metrics (``OnceLogger``: each step once, whatever restarts replay), tags,
 artifacts, the ``progress`` tag, ``log_dataset``, and ``log_summary`` for one-off figures
-(``summary.json`` and ``summary.<name>`` tags: as metrics the UI would draw single dots). Other
+(``summary.json``; the headline ones also one-value metrics and ``summary.<name>`` tags). Other
 ranks, and a process without a run id, get ``NullLogger`` (same methods; see relay.py's ``logger_for``).
 The experiment opens on its runs table with a shared view (``TRAINING_VIEW``, ``run_url``).
 Why rank 0 may relay its calls instead: docs/decisions/0006-relay-rank0-mlflow-over-stdout.md.
@@ -31,7 +31,8 @@ TAG_PROGRESS = "progress"
 TAG_NOTE = "mlflow.note.content"
 SUMMARY_PREFIX = "summary."
 SUMMARY_FILE = "summary.json"
-# One-off figures that are also tags (the runs table and compare view show tags; all are in the file).
+# The headline one-off figures: also metrics of one value (so runs sort, filter and plot by them:
+# metrics.time_to_target_s < 60) and tags summary.<name> (older readers). All are in the file.
 SUMMARY_TAGS = frozenset({"goodput", "train_wall_s", "lost_to_restarts_s", "device_hours", "peak_mem_bytes_max",
                           "state_bytes_per_rank", "time_to_target_s", "steps_to_target", "warmup_step_s",
                           "torchrun_wall_s", "upload_s", "dag_wall_s", "orchestration_overhead_s"})
@@ -169,14 +170,17 @@ class RunLogger:
 
     def log_summary(self, figures: dict[str, float]) -> None:
         """One-off figures of the run: all of them in ``summary.json`` (a later call adds to it, a
-        repeated one overwrites), the headline ones (``SUMMARY_TAGS``) also as tags ``summary.<name>``."""
+        repeated one overwrites); the headline ones (``SUMMARY_TAGS``) also as a metric of one value
+        at step 0 (a repeated call logs the newer value, which MLflow then shows) and as a tag
+        ``summary.<name>``."""
         if not figures:
             return
         merged = {**read_summary(self.run_id, self.client), **{k: float(v) for k, v in figures.items()}}
         self.log_text(json.dumps(merged, indent=2, sort_keys=True) + "\n", SUMMARY_FILE)
-        tags = {SUMMARY_PREFIX + k: f"{float(v):.8g}" for k, v in figures.items() if k in SUMMARY_TAGS}
-        if tags:
-            self.set_tags(tags)
+        headline = {k: float(v) for k, v in figures.items() if k in SUMMARY_TAGS}
+        if headline:
+            self.log_metrics(headline, step=0)
+            self.set_tags({SUMMARY_PREFIX + k: f"{v:.8g}" for k, v in headline.items()})
 
     def set_progress(self, step: int, total: int, eta_s: float | None) -> None:
         self.set_tags({TAG_PROGRESS: progress_text(step, total, eta_s)})
