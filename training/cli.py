@@ -26,8 +26,8 @@ def _cmd_make_data(a: argparse.Namespace) -> int:
 
     if a.kind == "digits":
         meta = make_digits_dataset(a.out, seed=a.seed)
-    elif a.kind == "text":
-        meta = make_text_dataset(a.out)
+    elif a.kind in ("text", "text-classes"):
+        meta = make_text_dataset(a.out, labels=a.kind == "text-classes")
     elif a.kind == "markov":
         meta = make_markov_dataset(a.out, n_train=a.train_rows, n_val=a.val_rows, vocab=a.vocab, seq_len=a.seq_len, seed=a.seed)
     else:
@@ -169,9 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("make-data", help="write a dataset whose reachable accuracy or loss is known")
     s.add_argument("--out", required=True, help="folder to write (train/, validation/, dataset.json)")
-    s.add_argument("--kind", choices=["teacher", "digits", "markov", "text"], default="teacher",
+    s.add_argument("--kind", choices=["teacher", "digits", "markov", "text", "text-classes"], default="teacher",
                    help="teacher: tabular (mlp); digits: 8x8 images (cnn); markov: token sequences (transformer); "
-                   "text: Python's own help text as documents (transformer, text_column=text)")
+                   "text: Python's own help text as documents (transformer, text_column=text); text-classes: the "
+                   "same with a label, 1 for code or grammar and 0 for prose (a text classifier)")
     s.add_argument("--train-rows", type=int, default=20_000, help="rows in the train split")
     s.add_argument("--val-rows", type=int, default=4_000, help="rows in the validation split")
     s.add_argument("--features", type=int, default=16, help="number of feature columns")

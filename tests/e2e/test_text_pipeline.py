@@ -74,3 +74,18 @@ def test_a_language_model_on_text_then_the_same_text_from_s3(airflow_db, s3_serv
     assert t["tokenizer.sha256"] == tags["tokenizer.sha256"] and t["data.fingerprint"] == tags["data.fingerprint"]
     # 20 steps do not beat 150 on bits per byte: the registry keeps the champion.
     assert t["registry.decision"] == "challenger" and "eval/bits_per_byte" in t["registry.reason"]
+
+
+def test_text_with_a_label_trains_a_classifier(airflow_db, tmp_path):
+    data = tmp_path / "code-or-prose"
+    make_text_dataset(data, labels=True)
+    states, client, run = _run({**TEXT, "dataset_uri": str(data), "tokenizer": "bpe:512", "steps": 100,
+                                "experiment": "text-classes", "store_uri": (tmp_path / "store").as_uri()})
+    assert set(states.values()) == {"success"}, states
+    m, tags = run.data.metrics, run.data.tags
+    assert tags["data.task"] == "classification" and tags["data.label"] == "label"
+    assert m["eval/accuracy"] > 0.85, m  # code and grammar against prose; the shares are 44% / 56%
+    assert "eval/bits_per_byte" not in m
+    files = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}
+    assert "evaluation/confusion_matrix.png" in files
+    assert tags["registry.decision"] == "champion" and "eval/accuracy" in tags["registry.reason"]

@@ -157,3 +157,21 @@ def test_text_fields_are_checked_before_anything_runs():
 
         prepare(TrainConfig(dataset_uri="d", text_column="text", model="transformer"))
     assert json.loads(json.dumps(TrainConfig(dataset_uri="d", text_column="t").to_dict()))["seq_len"] == 128
+
+
+def test_a_classifiers_rows_are_documents_padded_with_their_class(tmp_path):
+    make_text_dataset(tmp_path / "d", labels=True)
+    ds = open_dataset(tmp_path / "d", TEXT)
+    assert ds.meta["task"] == "classification" and ds.meta["classes"] == [0, 1]
+    tok = resolve("bytes", train_documents=lambda: [])
+    built = build(ds, text_column="text", tokenizer=tok, seq_len=48, store_uri=str(tmp_path / "store"))
+    shards = open_shards(built.uri)
+    assert shards.meta["kind"] == "text" and shards.meta["pad_id"] == tok.vocab_size == 257
+    val = shards.split("validation")
+    docs = documents(ds.table("validation"), "text")
+    labels = ds.table("validation").column("label").to_pylist()
+    assert val.features.shape == (len(docs), 48) and val.labels.tolist() == labels
+    short = min(range(len(docs)), key=lambda i: len(docs[i].encode()))
+    n = len(docs[short].encode())
+    assert n < 48 and val.features[short, :n].tolist() == list(docs[short].encode())
+    assert set(val.features[short, n:].tolist()) == {257}, "a short document is padded, not packed with the next"

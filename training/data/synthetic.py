@@ -165,10 +165,16 @@ def python_help_paragraphs() -> list[str]:
     return list(seen)
 
 
-def make_text_dataset(root: str | Path, *, validation_share: float = 0.2) -> dict[str, Any]:
+def looks_like_code(paragraph: str) -> int:
+    """1 for a paragraph of code or grammar (``::=`` rules, ``>>>`` sessions, indented lines), else 0."""
+    return int("::=" in paragraph or ">>>" in paragraph or any(line.startswith("   ") for line in paragraph.splitlines()))
+
+
+def make_text_dataset(root: str | Path, *, validation_share: float = 0.2, labels: bool = False) -> dict[str, Any]:
     """Documents of real text (``python_help_paragraphs``) in train/ and validation/ Parquet files
     with one column ``text``; a document goes to validation by a hash of its text. No dataset.json:
-    text needs none (``text_column=text``)."""
+    text needs none (``text_column=text``). ``labels``: also a column ``label``, 1 where the
+    paragraph is code or grammar and 0 where it is prose (``looks_like_code``): a classifier's data."""
     import hashlib
 
     root = Path(root)
@@ -177,13 +183,16 @@ def make_text_dataset(root: str | Path, *, validation_share: float = 0.2) -> dic
     counts = {}
     for split, keep in (("train", False), ("validation", True)):
         part = [d for d, v in zip(docs, val) if v == keep]
-        _write_split(root, split, {"text": part})
+        columns: dict[str, Any] = {"text": part}
+        if labels:
+            columns["label"] = np.array([looks_like_code(d) for d in part], dtype=np.int64)
+        _write_split(root, split, columns)
         counts[split] = len(part)
-    return {"kind": "text", "text_column": "text", "rows": counts}
+    return {"kind": "text", "text_column": "text", "label": "label" if labels else None, "rows": counts}
 
 
 GENERATORS = {"teacher": make_teacher_dataset, "digits": make_digits_dataset, "markov": make_markov_dataset,
-              "text": make_text_dataset}
+              "text": make_text_dataset, "text-classes": lambda root: make_text_dataset(root, labels=True)}
 
 
 def read_meta(root: str | Path) -> dict[str, Any]:

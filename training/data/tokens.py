@@ -1,13 +1,14 @@
 """Token shards: what the ranks read of a text dataset, made once by the tokenize step.
 
-``build`` tokenizes each split, puts the end-of-text token after every document, packs the stream
-into windows of ``seq_len + 1`` tokens (the model reads the first ``seq_len`` and predicts the
-last ``seq_len``; the tail shorter than a window is dropped) and writes ``train.npy``,
-``validation.npy``, ``tokenizer.json`` and ``tokens.json`` (documents, UTF-8 bytes and tokens per
-split, prompts for samples) under ``{store}/tokens/{key}/``, ``manifest.json`` (each file's size
-and sha256) last. The key hashes the data fingerprint, the tokenizer and ``seq_len``: a second run
-on the same data finds the shards (a cache hit). ``open_shards`` reads them back, each file
-verified against the manifest; ``TokenDataset`` serves them as a dataset of kind ``tokens``.
+``build`` tokenizes each split. A language model's text: the end-of-text token after every
+document, the stream packed into windows of ``seq_len + 1`` tokens (the model reads the first
+``seq_len`` and predicts the last ``seq_len``; the tail shorter than a window is dropped). A
+classifier's: one row per document, its first ``seq_len`` tokens padded with ``pad_id`` (one id
+past the tokenizer's), and its class. ``train.npy``, ``validation.npy`` (and ``*_labels.npy``),
+``tokenizer.json`` and ``tokens.json`` (documents, UTF-8 bytes and tokens per split, prompts) go
+under ``{store}/tokens/{key}/``, ``manifest.json`` (each file's size and sha256) last. The key
+hashes the data fingerprint, the tokenizer, ``seq_len`` and the columns: a second run on the same
+finds them. ``open_shards`` reads them back, verified; ``TokenDataset`` serves them.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ PROMPTS = 4  # validation documents whose beginning the samples continue
 PROMPT_CHARS = 80
 
 
-def shard_key(fingerprint: str, tokenizer_sha256: str, seq_len: int, text_column: str) -> str:
-    parts = (str(FORMAT), fingerprint, tokenizer_sha256, str(seq_len), text_column)
+def shard_key(fingerprint: str, tokenizer_sha256: str, seq_len: int, text_column: str, label: str | None = None) -> str:
+    parts = (str(FORMAT), fingerprint, tokenizer_sha256, str(seq_len), text_column, label or "")
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
@@ -60,6 +61,14 @@ def _windows(ids: list[list[int]], eot: int, seq_len: int) -> tuple[np.ndarray, 
     return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1), len(stream)
 
 
+def _rows(ids: list[list[int]], pad: int, seq_len: int) -> np.ndarray:
+    """A classifier's rows: each document's first ``seq_len`` ids, padded with ``pad``."""
+    out = np.full((len(ids), seq_len), pad, dtype=np.int64)
+    for i, doc in enumerate(ids):
+        out[i, : min(len(doc), seq_len)] = doc[:seq_len]
+    return out
+
+
 def _encode(docs: list[Any], tok: LoadedTokenizer) -> tuple[list[list[int]], int]:
     """Token ids of each document, and the UTF-8 bytes the tokenizer could not represent (its
     unknown token's spans; 0 for byte-level tokenizers)."""
@@ -78,7 +87,9 @@ def build(dataset: Dataset, *, text_column: str, tokenizer: LoadedTokenizer, seq
           env: Mapping[str, str] | None = None) -> Built:
     """The token shards of ``dataset`` in ``{store_uri}/tokens/{key}``: found there, or made now."""
     t0 = time.perf_counter()
-    key = shard_key(dataset.fingerprint, tokenizer.sha256, seq_len, text_column)
+    meta = dataset.meta
+    label = meta.get("label") if meta.get("task") == "classification" else None
+    key = shard_key(dataset.fingerprint, tokenizer.sha256, seq_len, text_column, label)
     store = open_store(store_uri, env, field="store_uri")
     prefix = f"tokens/{key}"
     raw = store.get_bytes(f"{prefix}/{MANIFEST}")
@@ -90,11 +101,20 @@ def build(dataset: Dataset, *, text_column: str, tokenizer: LoadedTokenizer, seq
                              "tokenizer": tokenizer.source, "tokenizer_sha256": tokenizer.sha256,
                              "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
                              "data_fingerprint": dataset.fingerprint, "splits": {}}
+    if label:
+        stats.update(label=label, classes=list(meta["classes"]), pad_id=tokenizer.vocab_size)
     arrays: dict[str, np.ndarray] = {}
     for split in SPLITS:
-        docs = [d for d in documents(dataset.table(split), text_column) if d is not None]
+        table = dataset.table(split)
+        docs = [d for d in documents(table, text_column) if d is not None]
         ids, lost = _encode(docs, tokenizer)
-        windows, tokens = _windows(ids, tokenizer.eot_id, seq_len)
+        if label:  # one row per document: its first seq_len tokens, padded, and its class
+            windows, tokens = _rows(ids, stats["pad_id"], seq_len), sum(len(i) for i in ids)
+            classes = np.asarray(meta["classes"])
+            values = np.asarray(table.column(label).to_numpy(zero_copy_only=False))
+            arrays[f"{split}_labels"] = np.searchsorted(classes, values).astype(np.int64)
+        else:
+            windows, tokens = _windows(ids, tokenizer.eot_id, seq_len)
         if not len(windows):
             raise ConfigError("seq_len", f"the {split} split holds {tokens} tokens, fewer than one window of "
                               f"seq_len + 1 = {seq_len + 1}", "use a smaller seq_len, or more text")
@@ -104,7 +124,7 @@ def build(dataset: Dataset, *, text_column: str, tokenizer: LoadedTokenizer, seq
                                   "unrepresented_bytes": lost, "unrepresented_share": lost / nbytes if nbytes else 0.0}
         if split == "validation" and docs and isinstance(docs[0], str):
             stats["prompts"] = [d[:PROMPT_CHARS] for d in docs[:PROMPTS]]
-        arrays[split] = windows.astype(np.uint16 if tokenizer.vocab_size <= 65_535 else np.int32)
+        arrays[split] = windows.astype(np.uint16 if tokenizer.vocab_size < 65_535 else np.int32)
     with tempfile.TemporaryDirectory(prefix="tokens-") as tmp:
         files = []
         for split, arr in arrays.items():
@@ -139,16 +159,26 @@ class TokenDataset:
             "label": None, "vocab_size": s["vocab_size"], "n_classes": s["vocab_size"], "seq_len": s["seq_len"],
             "source": f"token shards {uri}", "tokens": s["splits"], "tokenizer_sha256": s["tokenizer_sha256"],
             "task_reason": f"text of {s['text_column']!r} through the tokenizer {s['tokenizer']}"}
+        if s.get("label"):  # a classifier's rows: the padding id is one past the tokenizer's
+            self.meta.update(kind="text", task="classification", label=s["label"], classes=s["classes"],
+                             n_classes=len(s["classes"]), vocab_size=s["pad_id"] + 1, pad_id=s["pad_id"])
         self._splits: dict[str, np.ndarray] = {}
 
     def split(self, name: str, spec: Any = None, *, limit: int | None = None) -> Split:
         if name not in self._splits:
             self._splits[name] = np.load(self.folder / f"{name}.npy").astype(np.int64)
         windows = self._splits[name]
-        if spec is not None and spec.seq_len is not None and spec.seq_len + 1 != windows.shape[1]:
-            raise ConfigError("seq_len", f"the model reads {spec.seq_len} tokens but the shards hold windows of "
-                              f"{windows.shape[1] - 1}", "score the model on shards of its own seq_len")
-        return Split(features=windows[:limit] if limit is not None else windows, labels=None)
+        reads = windows.shape[1] - (0 if self.meta["kind"] == "text" else 1)
+        if spec is not None and spec.seq_len is not None and spec.seq_len != reads:
+            raise ConfigError("seq_len", f"the model reads {spec.seq_len} tokens but the shards hold rows of "
+                              f"{reads}", "score the model on shards of its own seq_len")
+        labels = None
+        if self.meta["kind"] == "text":
+            if f"{name}_labels" not in self._splits:
+                self._splits[f"{name}_labels"] = np.load(self.folder / f"{name}_labels.npy")
+            labels = self._splits[f"{name}_labels"]
+        cut = slice(None, limit)
+        return Split(features=windows[cut], labels=labels[cut] if labels is not None else None)
 
     @property
     def tokenizer_file(self) -> Path:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from training.config.fields import ConfigError
-from training.models.builtin import CNN, MLP, Transformer
+from training.models.builtin import CNN, MLP, TextClassifier, Transformer
 from training.models.spec import ModelSpec
 
 
@@ -80,6 +80,9 @@ def _build_inner(spec: ModelSpec) -> nn.Module:
         return MLP(in_features=spec.in_features, n_classes=spec.n_classes, hidden=a["hidden"], depth=a["depth"])
     if spec.model == "cnn":
         return CNN(image_shape=spec.image_shape, n_classes=spec.n_classes, hidden=a["hidden"], scale=a["scale"])
+    if spec.model == "transformer" and spec.kind == "text":  # a classifier over documents
+        return TextClassifier(vocab_size=spec.vocab_size, n_classes=spec.n_classes, pad_id=spec.pad_id,
+                              d_model=a["d_model"], n_layers=a["n_layers"], n_heads=a["n_heads"], dropout=a["dropout"])
     if spec.model == "transformer":
         return Transformer(vocab_size=spec.vocab_size, seq_len=spec.seq_len, d_model=a["d_model"],
                            n_layers=a["n_layers"], n_heads=a["n_heads"], dropout=a["dropout"])

@@ -85,12 +85,15 @@ class Block(nn.Module):
         self.down = nn.Linear(hidden, d_model, bias=False)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``keep``: [batch, 1, 1, positions], the keys to attend to (an encoder over padded
+        documents); without it, causal attention (a decoder)."""
         b, t, d = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=keep is None,
+                                           dropout_p=self.dropout if self.training else 0.0)
         x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.drop(self.down(F.silu(gate) * up))
@@ -130,3 +133,35 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.head(self.norm(x))
+
+
+class TextClassifier(nn.Module):
+    """The same blocks as an encoder over a padded document (every token attends to every
+    non-padding token), its non-padding positions averaged, then a linear head over the classes."""
+
+    def __init__(self, *, vocab_size: int, n_classes: int, pad_id: int, d_model: int = 64, n_layers: int = 2,
+                 n_heads: int = 4, dropout: float = 0.0):
+        super().__init__()
+        self.pad_id, self.head_dim = pad_id, d_model // n_heads
+        self.tok = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(d_model)
+        self.head = nn.Linear(d_model, n_classes)
+        self.apply(Transformer._init)
+
+    @property
+    def fsdp_units(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        real = idx != self.pad_id  # [batch, positions]
+        real = real | ~real.any(dim=1, keepdim=True)  # an empty document attends to its padding
+        x = self.tok(idx)
+        cos, sin = rotary_angles(self.head_dim, idx.shape[1], x)
+        keep = real[:, None, None, :]
+        for block in self.blocks:
+            x = block(x, cos, sin, keep)
+        x = self.norm(x)
+        weights = real.unsqueeze(-1).to(x.dtype)
+        pooled = (x * weights).sum(dim=1) / weights.sum(dim=1)
+        return self.head(pooled)

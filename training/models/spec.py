@@ -20,13 +20,13 @@ BUILTIN = ("mlp", "cnn", "transformer")
 FACTORY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 # The keys of model_config.json that are fields of their own; every other key is the family's (arch).
 _FIELDS = ("model", "kind", "task", "features", "label", "model_args", "classes", "in_features", "n_classes",
-           "image_shape", "vocab_size", "seq_len", "normalization", "target", "tokenizer_sha256")
+           "image_shape", "vocab_size", "seq_len", "normalization", "target", "tokenizer_sha256", "pad_id")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     model: str  # a built-in family (BUILTIN) or a factory path package.module:function
-    kind: str  # tabular | images | tokens
+    kind: str  # tabular | images | tokens (a language model's windows) | text (a classifier's documents)
     task: str  # classification | regression (tokens: next-token classification)
     features: list[str]  # the columns the model reads, in order
     label: str | None  # the label column (None for tokens)
@@ -40,6 +40,7 @@ class ModelSpec:
     normalization: dict[str, list[float]] | None = None  # tabular: {"mean": [...], "std": [...]} per feature
     target: dict[str, float] | None = None  # regression: {"mean", "std"} of the train label
     tokenizer_sha256: str | None = None  # text: the tokenizer whose ids the model reads (tokenizer.json beside it)
+    pad_id: int | None = None  # text classification: the id that pads a short document (not attended to)
     arch: dict[str, Any] = field(default_factory=dict)  # the built-in family's sizes
     # A model_config.json written before the spec named its label and task: the dataset's description says.
     label_from_data: bool = False
@@ -58,6 +59,8 @@ class ModelSpec:
         """The output of one row (a batch adds a leading dimension), after the table's transform."""
         if self.kind == "tokens":
             return (self.seq_len, self.vocab_size)
+        if self.kind == "text":
+            return (self.n_classes,)
         return () if self.task == "regression" else (self.n_classes,)
 
     @classmethod
@@ -88,6 +91,9 @@ class ModelSpec:
             out.update(vocab_size=int(meta["vocab_size"]), seq_len=int(meta["seq_len"]), n_classes=int(meta["vocab_size"]))
             if meta.get("tokenizer_sha256"):
                 out["tokenizer_sha256"] = meta["tokenizer_sha256"]
+        elif kind == "text":
+            out.update(vocab_size=int(meta["vocab_size"]), seq_len=int(meta["seq_len"]), n_classes=int(meta["n_classes"]),
+                       pad_id=int(meta["pad_id"]), tokenizer_sha256=meta.get("tokenizer_sha256"))
         if model == "mlp":
             out["arch"] = {"hidden": hidden, "depth": depth}
         elif model == "cnn":
@@ -106,7 +112,7 @@ class ModelSpec:
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         out["n_classes"] = self.n_classes
-        for key in ("normalization", "target", "tokenizer_sha256"):
+        for key in ("normalization", "target", "tokenizer_sha256", "pad_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return {**out, **self.arch}
