@@ -36,6 +36,8 @@ RUN --mount=type=secret,id=pip.conf,uid=50000 --mount=type=secret,id=pip-ca,uid=
         great-expectations==1.24.1 \
         boto3==1.44.8 \
         safetensors==0.8.0 \
+        tokenizers==0.23.3 \
+        transformers==5.23.0 \
     && rm /tmp/constraints.txt /tmp/constraints-no-torch.txt
 
 ENV PYTHONPATH=/opt/project \

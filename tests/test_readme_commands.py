@@ -7,7 +7,7 @@ is either run here (``RUN``, with what it is checked for) or listed in ``NOT_RUN
 (servers, clusters, the test suite itself); a command added to the README that is neither fails
 the first test. They run in a copy of the repository (its tracked and unignored files, the same
 ``.venv``), so the defaults they fall back on (``.airflow/``, ``var/``) are the copy's and the
-developer's are never touched. A user's own path in a command (``/data/wine``) and the run ids of
+developer's are never touched. A user's own path in a command (``/data/wine``, ``/models/my-gpt2``) and the run ids of
 ``compare`` are the only words replaced (``PLACEHOLDERS``)."""
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ TEXT_LM = [  # "Train a language model on your text", in its order
     ".venv/bin/python -m training validate --dataset-uri var/data/python-help --text-column text",
     ".venv/bin/python scripts/demo.py --set dataset_uri=var/data/python-help --set text_column=text --set model=transformer "
     "--set tokenizer=bpe:1024 --set seq_len=64 --set batch_size=32 --set steps=200 --set target_metric=none",
+    ".venv/bin/python scripts/demo.py --set dataset_uri=var/data/python-help --set text_column=text "
+    "--set model=hf:/models/my-gpt2 --set seq_len=64 --set batch_size=32 --set steps=50 --set lr=1e-4 "
+    "--set target_metric=none",
 ]
 # Each command run here -> the test that runs it.
 RUN = {VALIDATE_WINE: "test_train_on_your_data", DEMO_WINE: "test_train_on_your_data",
@@ -173,8 +176,11 @@ def checkout(tmp_path_factory):
     wine.mkdir()
     load_wine(as_frame=True).frame.to_parquet(wine / "wine.parquet", index=False)
     (tmp / "home").mkdir()
+    from tests.hf_models import gpt2_folder
+
+    gpt2 = gpt2_folder(tmp / "my-gpt2", pretrain_steps=100)  # the README's own Hugging Face folder
     return {"root": _copy_checkout(tmp / "repo"), "env": {"PATH": PATH, "HOME": str(tmp / "home")},
-            "placeholders": {"/data/wine": str(wine)}}
+            "placeholders": {"/data/wine": str(wine), "/models/my-gpt2": str(gpt2)}}
 
 
 def run(checkout: dict, command: str, *, timeout: float = 600,
@@ -265,7 +271,8 @@ def test_a_benchmark_sweep(checkout):
 
 @pytest.mark.slow
 def test_a_language_model_on_your_text(checkout):
-    made, validated, trained = (run(checkout, command).stdout for command in TEXT_LM)
+    made, validated, trained, tuned = (run(checkout, command).stdout for command in TEXT_LM)
     assert '"kind": "text"' in made and '"success": true' in validated, validated[-2000:]
     assert re.search(r"DAG run      : \S+  state=\S*success", trained), trained[-3000:]
     assert re.search(r"Evaluation   : bits_per_byte [0-9.]+, perplexity", trained), trained[-3000:]
+    assert re.search(r"MLflow run   : my-gpt2-ddp-fp32-2ranks-50steps  \(\w{32}\)  status=FINISHED", tuned), tuned[-3000:]

@@ -65,13 +65,15 @@ def _cmd_tokenize(a: argparse.Namespace) -> int:
     from training.data.text import documents
     from training.data.tokenizer import resolve
     from training.data.tokens import build
+    from training.models.hf import default_tokenizer
 
-    cfg = TrainConfig(dataset_uri=a.dataset_uri, tokenizer=a.tokenizer, seq_len=a.seq_len,
+    cfg = TrainConfig(dataset_uri=a.dataset_uri, tokenizer=a.tokenizer, seq_len=a.seq_len, model=a.model,
                       **{f: getattr(a, f) for f in DATA_FIELDS})
     if not cfg.text_column:
         raise ConfigError("text_column", "is empty", "name the column of documents, e.g. --text-column text")
     data = open_dataset(cfg.dataset_uri, DataOptions.of(cfg))
-    loaded = resolve(cfg.tokenizer, train_documents=lambda: documents(data.table("train"), cfg.text_column))
+    loaded = resolve(cfg.tokenizer, default=default_tokenizer(cfg.model),
+                     train_documents=lambda: documents(data.table("train"), cfg.text_column))
     built = build(data, text_column=cfg.text_column, tokenizer=loaded, seq_len=cfg.seq_len, store_uri=a.out)
     print(json.dumps({"token_shards": built.uri, "cache_hit": built.cache_hit, "splits": built.stats["splits"]}))
     return 0
@@ -215,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     data_options(s)
     s.add_argument("--tokenizer", default=fields["tokenizer"].default, help=fields["tokenizer"].help)
     s.add_argument("--seq-len", dest="seq_len", type=int, default=fields["seq_len"].default, help=fields["seq_len"].help)
+    s.add_argument("--model", default="transformer", help="the model the windows are for: an hf:<folder> model "
+                   "brings its own tokenizer (the default tokenizer then)")
     s.add_argument("--out", required=True, help="the store to write them to: a folder, file:///folder or s3://bucket/prefix")
     s.set_defaults(fn=_cmd_tokenize)
 

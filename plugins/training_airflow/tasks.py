@@ -75,7 +75,9 @@ def run_name(params: dict[str, Any], world_size: int) -> str:
     given = (params.get("run_name") or "").strip()
     if given:
         return given
-    model = str(params.get("model", "")).rsplit(":", 1)[-1]  # a factory: its function's name
+    model = str(params.get("model", ""))
+    # hf: its folder's name (my-gpt2); a factory: its function's name
+    model = model.removeprefix("hf:").rstrip("/").rsplit("/", 1)[-1] if model.startswith("hf:") else model.rsplit(":", 1)[-1]
     parts = [v for v in (model, params.get("strategy"), params.get("precision")) if v]
     return "-".join([*parts, f"{world_size}rank{'s' if world_size != 1 else ''}", f"{params.get('steps')}steps"])
 
@@ -173,12 +175,14 @@ def tokenize(params: dict[str, Any], validated: Validated) -> Validated:
     from training.data.text import documents
     from training.data.tokenizer import resolve
     from training.data.tokens import build, open_shards
+    from training.models.hf import default_tokenizer
 
     cfg = train_config({**params, "dataset_uri": validated["dataset_uri"]})
     s3_env = store_env(params)
     data = open_dataset(validated["dataset_uri"], data_options(params), env=s3_env,
                         expect_fingerprint=validated["dataset_fingerprint"])
-    loaded = resolve(cfg.tokenizer, env=s3_env, train_documents=lambda: documents(data.table("train"), cfg.text_column))
+    loaded = resolve(cfg.tokenizer, env=s3_env, default=default_tokenizer(cfg.model, s3_env),
+                     train_documents=lambda: documents(data.table("train"), cfg.text_column))
     built = build(data, text_column=cfg.text_column, tokenizer=loaded, seq_len=cfg.seq_len, store_uri=params["store_uri"],
                   env=s3_env)
     _record_tokens(run_logger(validated["mlflow_run_id"]), built, loaded)
@@ -314,7 +318,7 @@ def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
     The model files are fetched from the store again and verified against the manifest (the step
     folder ``evaluate`` scored), so this task may run on another worker than ``evaluate``."""
     from training.results import registry
-    from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE
+    from training.checkpoint.export import EXPORTED
     from training.data.dataset import open_dataset
     from training.data.tokens import open_shards
     from training.evaluate import example_inputs, score_folder
@@ -334,7 +338,7 @@ def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
         model_dir, _, _ = fetch_checkpoint(params["store_uri"], experiment=params["experiment"], run_id=run_id,
                                            dest=tmp, env=s3_env,
                                            step_dir=scored["evaluated_step_dir"],
-                                           only=(MODEL_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE))
+                                           only=EXPORTED)
         gate = registry.register_and_gate(
             run_id=run_id, model_dir=model_dir, registered_model=name, metric_value=figures[metric], metric=metric,
             margin=float(params.get("promotion_margin", 0.0)), example_inputs=example_inputs(data),

@@ -175,3 +175,17 @@ def test_a_classifiers_rows_are_documents_padded_with_their_class(tmp_path):
     n = len(docs[short].encode())
     assert n < 48 and val.features[short, :n].tolist() == list(docs[short].encode())
     assert set(val.features[short, n:].tolist()) == {257}, "a short document is padded, not packed with the next"
+
+
+def test_a_tokenizer_bigger_than_the_hf_models_embedding_is_refused(tmp_path):
+    from tests.hf_models import gpt2_folder
+    from training.models.spec import ModelSpec
+
+    folder = gpt2_folder(tmp_path / "gpt2", weights=False)
+    meta = {"kind": "tokens", "task": "language_modeling", "features": ["tokens"], "vocab_size": 1000, "seq_len": 32}
+    with pytest.raises(ConfigError, match=r"config field 'tokenizer': its 1000 tokens do not fit hf:.*embedding holds 512"):
+        ModelSpec.for_data(f"hf:{folder}", meta, hidden=8, depth=1)
+    spec = ModelSpec.for_data(f"hf:{folder}", {**meta, "vocab_size": 512}, hidden=8, depth=1)
+    assert spec.is_hf and spec.arch["hf_head"] == "causal_lm" and not spec.arch["pretrained"]
+    written = json.loads(json.dumps(spec.to_json()))  # model_config.json
+    assert ModelSpec.from_json(written).to_json() == written

@@ -63,3 +63,26 @@ def test_a_language_model_killed_mid_run_resumes_bit_identical(shards, tmp_path,
     config = json.loads((killed / "ck" / f"step_{STEPS:08d}" / "model_config.json").read_text())
     assert config["kind"] == "tokens" and config["task"] == "language_modeling" and config["tokenizer_sha256"]
     assert (killed / "ck" / f"step_{STEPS:08d}" / "tokenizer.json").is_file(), "the model is exported with its tokenizer"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_hugging_face_model_killed_mid_run_resumes_bit_identical(tmp_path, strategy):
+    """A GPT-2 style folder (its dropout on) fine-tuned on its own tokenizer's windows."""
+    from tests.hf_models import gpt2_folder
+
+    folder = gpt2_folder(tmp_path / "gpt2", pretrain_steps=0)
+    make_text_dataset(tmp_path / "data")
+    ds = open_dataset(tmp_path / "data", DataOptions(text_column="text"))
+    tok = resolve("", default=str(folder), train_documents=lambda: [])
+    uri = build(ds, text_column="text", tokenizer=tok, seq_len=32, store_uri=str(tmp_path / "store")).uri
+    model = [f"model=hf:{folder}"]
+    base, killed = tmp_path / "base", tmp_path / "killed"
+    sets = lambda root: [s for s in _sets(tmp_path / "data", uri, root, strategy) if not s.startswith("model=")] + model
+    env = {"HF_HUB_OFFLINE": "1"}
+    _ok(run_torchrun(2, sets(base), env=env))
+    proc = _ok(run_torchrun(2, sets(killed), max_restarts=1, env={**env, "TRAINING_FAULT_KILL_AT_STEP": "15:1"}))
+    assert "rank 1 SIGKILLs itself after step 15" in proc.stdout and "(step 10)" in proc.stdout
+    assert _final(killed) == _final(base)
+    got, want = _losses(killed), _losses(base)
+    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]

@@ -17,6 +17,8 @@ from training.util import atomic_write
 MODEL_FILE = "model.safetensors"
 MODEL_CONFIG_FILE = "model_config.json"
 TOKENIZER_FILE = "tokenizer.json"  # a language model's tokenizer, exported beside it
+HF_CONFIG_FILE = "config.json"  # an hf: model's: the folder is what from_pretrained loads
+EXPORTED = (MODEL_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE, HF_CONFIG_FILE)  # the files of an export that exist
 
 
 def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path | None = None) -> None:
@@ -28,9 +30,14 @@ def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path 
     if dist.get_rank() == 0:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        tmp = path / (MODEL_FILE + ".tmp")
-        save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
-        os.replace(tmp, path / MODEL_FILE)
+        if spec.is_hf:
+            from training.models.hf import save_folder
+
+            save_folder(full, spec.arch, path)
+        else:
+            tmp = path / (MODEL_FILE + ".tmp")
+            save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
+            os.replace(tmp, path / MODEL_FILE)
         atomic_write(path / MODEL_CONFIG_FILE, json.dumps(spec.to_json(), indent=2) + "\n")
         if tokenizer_file is not None:
             atomic_write(path / TOKENIZER_FILE, Path(tokenizer_file).read_text())
@@ -46,5 +53,10 @@ def load_exported(path: str | Path):
     path = Path(path)
     spec = ModelSpec.from_json(json.loads((path / MODEL_CONFIG_FILE).read_text()))
     model = build_model(spec)
-    model.load_state_dict(load_file(str(path / MODEL_FILE)))
-    return model, spec
+    if spec.is_hf:  # the folder's names are the hf model's own
+        from training.models.hf import load_folder_weights
+
+        load_folder_weights(model, path)
+    else:
+        model.load_state_dict(load_file(str(path / MODEL_FILE)))
+    return model.eval(), spec  # for inference: dropout off

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from training.checkpoint import commit
 from training.checkpoint.commit import Candidate, CheckpointCorrupt, Location, step_dir_name
 from training.checkpoint.dcp_io import METADATA, StoreWriter, VerifiedReader, describe, failures, not_committed, rng_file
-from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, export_model
+from training.checkpoint.export import EXPORTED, export_model
 from training.checkpoint.retention import retain, write_eval
 from training.distributed.resilience import Phase
 from training.log import logger
@@ -258,8 +258,7 @@ class Checkpointer:
         torch.save(rng_state(), rng)
         extras: dict[str, bytes | Path] = {rng_file(self.rank): rng.getvalue()}
         if model_dir is not None and self.rank == 0:
-            extras.update({name: model_dir / name for name in (MODEL_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE)
-                           if (model_dir / name).is_file()})
+            extras.update({name: model_dir / name for name in EXPORTED if (model_dir / name).is_file()})
         evaluated = self.evaluated[1] if self.evaluated and self.evaluated[0] == step else None
         t0 = time.perf_counter()
 

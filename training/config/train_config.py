@@ -27,7 +27,7 @@ __all__ = ["ConfigError", "TrainConfig", "MODEL_KIND", "load_train_config", "che
 # Which dataset kind (dataset.json "kind") each built-in model reads; a factory reads any.
 MODEL_KIND = {"mlp": "tabular", "cnn": "images", "transformer": "tokens"}
 # A built-in family, or a factory `package.module:function` (the module part may be one name).
-MODEL_PATTERN = r"^(mlp|cnn|transformer|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$"
+MODEL_PATTERN = r"^(mlp|cnn|transformer|hf:.+|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$"
 ADVANCED = "Trainer (advanced)"
 TEXT = "Text"
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -79,9 +79,11 @@ class TrainConfig:
         "decides, so appended rows never move existing ones; unused when the data has its own validation split",
         title="Validation fraction", exclusive_minimum=0, maximum=0.9)
     model: str = knob(
-        "mlp", "a built-in family matching the data (mlp: tables, cnn: 8x8 images, transformer: tokens) or your own "
-        "factory package.module:function, importable on the workers and in the pods: it gets the model spec "
-        "(a dict) and returns a torch.nn.Module", title="Model", tag=True,
+        "mlp", "a built-in family matching the data (mlp: tables, cnn: 8x8 images, transformer: text and tokens), "
+        "hf:<folder or s3:// prefix> (a Hugging Face checkpoint folder as save_pretrained writes it: fine-tuned from "
+        "its weights, or from random weights with config.json alone; never downloaded), or your own factory "
+        "package.module:function, importable on the workers and in the pods: it gets the model spec (a dict) and "
+        "returns a torch.nn.Module", title="Model", tag=True,
         schema={"examples": list(MODEL_KIND), "pattern": MODEL_PATTERN})
     model_args: dict[str, Any] = knob(
         {}, "a JSON object handed to a factory model untouched, as spec['model_args'] (and recorded with the model)",
@@ -192,7 +194,7 @@ class TrainConfig:
     def check_dataset(self, meta: dict[str, Any]) -> None:
         """The model must read the kind of data the dataset holds (a factory reads any), and the
         target metric must be one the dataset's task logs."""
-        kind = MODEL_KIND.get(self.model)
+        kind = "tokens" if self.model.startswith("hf:") else MODEL_KIND.get(self.model)
         if kind == "tokens" and meta.get("kind") == "text":  # text reaches the model as token ids
             kind = "text"
         if kind is not None and kind != meta.get("kind"):
@@ -237,8 +239,8 @@ def check_rules(cfg: TrainConfig) -> None:
     if not cfg.dataset_uri:
         raise ConfigError("dataset_uri", "is empty", "pass the dataset folder, e.g. --set dataset_uri=var/data/teacher")
     if not re.match(MODEL_PATTERN, cfg.model):
-        raise ConfigError("model", f"{cfg.model!r} is neither a built-in family ({', '.join(MODEL_KIND)}) nor a factory "
-                          "path package.module:function", f"use one of {', '.join(MODEL_KIND)}, or write the path of "
+        raise ConfigError("model", f"{cfg.model!r} is neither a built-in family ({', '.join(MODEL_KIND)}), hf:<folder> "
+                          "nor a factory path package.module:function", f"use one of {', '.join(MODEL_KIND)}, or write the path of "
                           "your function, e.g. my_models.resnet:build")
     if not cfg.label_column.strip():
         raise ConfigError("label_column", "is empty", "name the column to predict, e.g. --set label_column=target")

@@ -69,12 +69,12 @@ def _rows(ids: list[list[int]], pad: int, seq_len: int) -> np.ndarray:
     return out
 
 
-def _encode(docs: list[Any], tok: LoadedTokenizer) -> tuple[list[list[int]], int]:
+def _encode(docs: list[Any], tok: LoadedTokenizer, *, special: bool = False) -> tuple[list[list[int]], int]:
     """Token ids of each document, and the UTF-8 bytes the tokenizer could not represent (its
     unknown token's spans; 0 for byte-level tokenizers)."""
     if docs and not isinstance(docs[0], str):  # pre-tokenized (list<int>)
         return [list(d) for d in docs], 0
-    encodings = tok.tokenizer.encode_batch(docs, add_special_tokens=False)
+    encodings = tok.tokenizer.encode_batch(docs, add_special_tokens=special)
     unk = tok.tokenizer.token_to_id(getattr(tok.tokenizer.model, "unk_token", None) or "") if docs else None
     lost = 0
     if unk is not None:
@@ -101,13 +101,16 @@ def build(dataset: Dataset, *, text_column: str, tokenizer: LoadedTokenizer, seq
                              "tokenizer": tokenizer.source, "tokenizer_sha256": tokenizer.sha256,
                              "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
                              "data_fingerprint": dataset.fingerprint, "splits": {}}
-    if label:
-        stats.update(label=label, classes=list(meta["classes"]), pad_id=tokenizer.vocab_size)
+    if label:  # a classifier's rows are padded: with the tokenizer's own padding token, else one id past its ids
+        pad = next((tokenizer.tokenizer.token_to_id(t) for t in ("[PAD]", "<pad>", "<|pad|>")
+                    if tokenizer.tokenizer.token_to_id(t) is not None), tokenizer.vocab_size)
+        stats.update(label=label, classes=list(meta["classes"]), pad_id=int(pad))
     arrays: dict[str, np.ndarray] = {}
     for split in SPLITS:
         table = dataset.table(split)
         docs = [d for d in documents(table, text_column) if d is not None]
-        ids, lost = _encode(docs, tokenizer)
+        # A classifier's document is one sequence: the tokenizer's template ([CLS] ... [SEP]) applies.
+        ids, lost = _encode(docs, tokenizer, special=bool(label))
         if label:  # one row per document: its first seq_len tokens, padded, and its class
             windows, tokens = _rows(ids, stats["pad_id"], seq_len), sum(len(i) for i in ids)
             classes = np.asarray(meta["classes"])
@@ -161,7 +164,9 @@ class TokenDataset:
             "task_reason": f"text of {s['text_column']!r} through the tokenizer {s['tokenizer']}"}
         if s.get("label"):  # a classifier's rows: the padding id is one past the tokenizer's
             self.meta.update(kind="text", task="classification", label=s["label"], classes=s["classes"],
-                             n_classes=len(s["classes"]), vocab_size=s["pad_id"] + 1, pad_id=s["pad_id"])
+                             n_classes=len(s["classes"]), vocab_size=max(s["vocab_size"], s["pad_id"] + 1),
+                             pad_id=s["pad_id"])
+        self.meta["tokenizer_vocab"] = s["vocab_size"]
         self._splits: dict[str, np.ndarray] = {}
 
     def split(self, name: str, spec: Any = None, *, limit: int | None = None) -> Split:

@@ -22,7 +22,7 @@ def flops_per_sample(spec: Any, n_params: int) -> float:
         c, h, w = spec.image_shape
         conv = 2 * (h * w * 32 * c * 9) + 2 * (h * w * 64 * 32 * 9)
         return 3.0 * conv + 6.0 * n_params
-    if spec.kind == "tokens":  # a user's model over tokens: the parameter rule per token
+    if spec.kind in ("tokens", "text"):  # another model over tokens: the parameter rule per token
         return 6.0 * n_params * spec.seq_len
     return 6.0 * n_params
 

@@ -74,7 +74,7 @@ def factory(path: str) -> Callable[[dict[str, Any]], nn.Module]:
     return fn
 
 
-def _build_inner(spec: ModelSpec) -> nn.Module:
+def _build_inner(spec: ModelSpec, pretrained: bool = False) -> nn.Module:
     a = spec.arch
     if spec.model == "mlp":
         return MLP(in_features=spec.in_features, n_classes=spec.n_classes, hidden=a["hidden"], depth=a["depth"])
@@ -86,15 +86,21 @@ def _build_inner(spec: ModelSpec) -> nn.Module:
     if spec.model == "transformer":
         return Transformer(vocab_size=spec.vocab_size, seq_len=spec.seq_len, d_model=a["d_model"],
                            n_layers=a["n_layers"], n_heads=a["n_heads"], dropout=a["dropout"])
+    if spec.is_hf:
+        from training.models.hf import HFModel, folder
+
+        source = folder(spec.model) if pretrained and spec.arch.get("pretrained") else None
+        return HFModel(spec.arch, pad_id=spec.pad_id, pretrained_from=source)
     model = factory(spec.model)(copy.deepcopy(spec.to_json()))  # the user's function may keep or change its dict
     if not isinstance(model, nn.Module):
         raise TypeError(f"returned a {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
-def build_model(spec: ModelSpec) -> nn.Module:
-    """The model ``spec`` describes, with the data transform of a table inside (``Tabular``)."""
-    model = _build_inner(spec)
+def build_model(spec: ModelSpec, *, pretrained: bool = False) -> nn.Module:
+    """The model ``spec`` describes, with the data transform of a table inside (``Tabular``).
+    ``pretrained``: an ``hf:`` model starts from its folder's weights (where it has them)."""
+    model = _build_inner(spec, pretrained)
     norm, target = spec.normalization, spec.target
     if norm is None and target is None:
         return model

@@ -47,7 +47,11 @@ class ModelSpec:
 
     @property
     def is_factory(self) -> bool:
-        return self.model not in BUILTIN
+        return self.model not in BUILTIN and not self.is_hf
+
+    @property
+    def is_hf(self) -> bool:
+        return self.model.startswith("hf:")
 
     @property
     def target_variance(self) -> float:
@@ -68,7 +72,8 @@ class ModelSpec:
                  dropout: float = 0.0, model_args: dict[str, Any] | None = None, train: Any = None) -> "ModelSpec":
         """The spec of ``model`` on data described by ``meta`` (training.data.schema.describe);
         ``train`` (a training.data.dataset.Split): the rows the normalization statistics come from."""
-        if model not in BUILTIN and not FACTORY_RE.match(model):
+        hf = model.startswith("hf:")
+        if model not in BUILTIN and not FACTORY_RE.match(model) and not hf:
             raise ValueError(f"unknown model {model!r}")
         kind, task = meta["kind"], meta.get("task", "classification")
         out: dict[str, Any] = {"model": model, "kind": kind, "task": task, "features": list(meta["features"]),
@@ -100,6 +105,11 @@ class ModelSpec:
             out["arch"] = {"hidden": hidden, "scale": float(meta["feature_range"][1]) or 1.0}
         elif model == "transformer":
             out["arch"] = {"d_model": hidden, "n_layers": depth, "n_heads": n_heads, "dropout": dropout}
+        elif hf:  # the folder's config.json, adapted to the task (num_labels, padding)
+            from training.models.hf import check_vocabulary, hf_config
+
+            out["arch"] = hf_config(model, task=task, n_classes=out.get("n_classes", 0), pad_id=out.get("pad_id"))
+            check_vocabulary(model, out["arch"], int(meta.get("tokenizer_vocab") or meta["vocab_size"]))
         return cls(**out)
 
     def to_json(self) -> dict[str, Any]:

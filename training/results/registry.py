@@ -65,7 +65,7 @@ def log_model(run_id: str, model_dir: str | Path, *, example_inputs, step: int):
     import torch
     from mlflow.models import infer_signature
 
-    from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, load_exported
+    from training.checkpoint.export import EXPORTED, load_exported
 
     model_dir = Path(model_dir)
     experiment_id = _client().get_run(run_id).info.experiment_id
@@ -86,8 +86,7 @@ def log_model(run_id: str, model_dir: str | Path, *, example_inputs, step: int):
             # Pinned instead of inferred: inference imports the model in a subprocess (slow) and
             # would list this machine's whole environment.
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "numpy"],
-            extra_files=[str(model_dir / name) for name in (MODEL_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE)
-                         if (model_dir / name).is_file()],
+            extra_files=[str(model_dir / name) for name in EXPORTED if (model_dir / name).is_file()],
             metadata={"model_config": json.dumps(spec.to_json())},
         )
 

@@ -1,0 +1,75 @@
+"""The Hugging Face models people fine-tune, through the whole DAG (dag.test, 2 gloo ranks): a GPT-2
+style causal LM fine-tuned from its folder's weights with the folder's own tokenizer, exported as a
+folder ``from_pretrained`` loads; a BERT-style classifier on labelled text; a hub id refused."""
+
+import math
+
+import pytest
+import torch
+
+from tests.e2e.test_text_pipeline import TEXT, _run
+from tests.hf_models import bert_folder, gpt2_folder
+from training.config.fields import ConfigError
+from training.data.synthetic import make_text_dataset
+
+pytestmark = pytest.mark.slow
+HF = {k: v for k, v in TEXT.items() if k not in ("model", "hidden", "depth", "n_heads")}
+
+
+@pytest.fixture(scope="module")
+def help_text(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-data")
+    make_text_dataset(root / "lm")
+    make_text_dataset(root / "classes", labels=True)
+    return root
+
+
+def test_fine_tune_a_causal_lm_from_its_folder(airflow_db, help_text, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = gpt2_folder(tmp_path / "gpt2")
+    states, client, run = _run({**HF, "model": f"hf:{folder}", "dataset_uri": str(help_text / "lm"), "steps": 20,
+                                "lr": 1e-4, "experiment": "hf-lm", "store_uri": (tmp_path / "store").as_uri()})
+    assert set(states.values()) == {"success"}, states
+    m, tags = run.data.metrics, run.data.tags
+    assert tags["tokenizer"] == str(folder), "the folder's own tokenizer when none is named"
+    # Pretrained weights: after 20 small steps far below a randomly initialised model's loss.
+    assert m["eval/loss"] < math.log(512) - 1.5, m
+    assert "eval/bits_per_byte" in m and tags["registry.decision"] == "champion"
+    # The evaluated checkpoint is a folder transformers loads, with the tokenizer, giving our logits.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.checkpoint.export import load_exported
+
+    exported = tmp_path / "exported"
+    step = tags["checkpoint.uri"].rsplit("/", 1)[-1]
+    for name in ("config.json", "model.safetensors", "model_config.json", "tokenizer.json"):
+        src = tmp_path / "store" / "hf-lm" / run.info.run_id / step / name
+        exported.mkdir(exist_ok=True)
+        (exported / name).write_bytes(src.read_bytes())
+    hf = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(exported, local_files_only=True)
+    ours, spec = load_exported(exported)
+    x = torch.tensor([tok("The import statement")["input_ids"]])
+    assert spec.is_hf and torch.allclose(hf(x).logits, ours(x), atol=1e-5)
+
+
+def test_a_bert_classifier_on_labelled_text_and_a_config_only_folder(airflow_db, help_text, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = bert_folder(tmp_path / "bert")
+    states, client, run = _run({**HF, "model": f"hf:{folder}", "dataset_uri": str(help_text / "classes"),
+                                "steps": 60, "experiment": "hf-classes", "store_uri": (tmp_path / "s1").as_uri()})
+    assert set(states.values()) == {"success"}, states
+    assert run.data.tags["data.task"] == "classification" and run.data.metrics["eval/accuracy"] > 0.8
+    # config.json alone: random weights, trained all the same.
+    lm = gpt2_folder(tmp_path / "gpt2-config", weights=False)
+    states, client, run = _run({**HF, "model": f"hf:{lm}", "dataset_uri": str(help_text / "lm"), "steps": 10,
+                                "experiment": "hf-config", "store_uri": (tmp_path / "s2").as_uri()})
+    assert set(states.values()) == {"success"}, states
+    assert run.data.metrics["eval/loss"] > math.log(512) - 1.0, "random weights after 10 steps"
+
+
+def test_a_hub_id_is_refused_naming_the_download(tmp_path):
+    from training.models.hf import folder
+
+    with pytest.raises(ConfigError, match=r"config field .model.: hf:gpt2: gpt2 is not a folder with a config.json \(a model hub id\? nothing is downloaded"):
+        folder("hf:gpt2")
