@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow  # builds the image (minutes without a cache)
 # What a training pod's securityContext makes of a container (plugins/.../kubernetes/spec.py).
 RESTRICTED = ["--user", "10001:10001", "--read-only", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
               "--tmpfs", "/tmp:rw,size=1g", "--env", "HOME=/tmp", "--env", "TMPDIR=/tmp"]
-SIZE_GOAL_BYTES = 1.6e9  # the CPU variant (docs/benchmarks.md "Training image")
+SIZE_GOAL_BYTES = 1.8e9  # the CPU variant (docs/benchmarks.md "Training image")
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ def test_headline_figures_filter_and_order_runs_as_numbers():
         RunLogger(run_id).log_summary({"time_to_target_s": ttt, "goodput": goodput, "warmup_steps": 10.0})
         runs[name] = run_id
     RunLogger(runs["mid"]).log_summary({"time_to_target_s": 11.0})  # a re-run: the newer value counts
+    assert [m.step for m in client.get_metric_history(runs["mid"], "time_to_target_s")] == [0, 1]
 
     found = mlflow.search_runs([exp], filter_string="metrics.time_to_target_s < 60",
                                order_by=["metrics.time_to_target_s ASC"])

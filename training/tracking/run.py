@@ -171,15 +171,16 @@ class RunLogger:
     def log_summary(self, figures: dict[str, float]) -> None:
         """One-off figures of the run: all of them in ``summary.json`` (a later call adds to it, a
         repeated one overwrites); the headline ones (``SUMMARY_TAGS``) also as a metric of one value
-        at step 0 (a repeated call logs the newer value, which MLflow then shows) and as a tag
-        ``summary.<name>``."""
+        (step 0; a task that logs it again, retried or cleared, logs the newer value at the next
+        step, which MLflow then shows: never two points at one step) and as a tag ``summary.<name>``."""
         if not figures:
             return
         merged = {**read_summary(self.run_id, self.client), **{k: float(v) for k, v in figures.items()}}
         self.log_text(json.dumps(merged, indent=2, sort_keys=True) + "\n", SUMMARY_FILE)
         headline = {k: float(v) for k, v in figures.items() if k in SUMMARY_TAGS}
         if headline:
-            self.log_metrics(headline, step=0)
+            for k, v in headline.items():
+                self.log_metrics({k: v}, step=len(self.client.get_metric_history(self.run_id, k)))
             self.set_tags({SUMMARY_PREFIX + k: f"{v:.8g}" for k, v in headline.items()})
 
     def set_progress(self, step: int, total: int, eta_s: float | None) -> None:
