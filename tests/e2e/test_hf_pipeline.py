@@ -4,6 +4,8 @@ folder ``from_pretrained`` loads; a BERT-style classifier on labelled text; a hu
 
 import math
 
+import mlflow
+import pandas as pd
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from tests.e2e.test_text_pipeline import TEXT, _run
 from tests.hf_models import bert_folder, gpt2_folder
 from training.config.fields import ConfigError
 from training.data.synthetic import make_text_dataset
+from training.results.text_model import load_text_folder, predict_text
 
 pytestmark = pytest.mark.slow
 HF = {k: v for k, v in TEXT.items() if k not in ("model", "hidden", "depth", "n_heads")}
@@ -51,6 +54,10 @@ def test_fine_tune_a_causal_lm_from_its_folder(airflow_db, help_text, tmp_path, 
     ours, spec = load_exported(exported)
     x = torch.tensor([tok("The import statement")["input_ids"]])
     assert spec.is_hf and torch.allclose(hf(x).logits, ours(x), atol=1e-5)
+    # The registered model (pyfunc) continues text as the checkpoint's model does.
+    served = mlflow.pyfunc.load_model("models:/hf-lm@champion").predict(pd.DataFrame({"text": ["The import"]}),
+                                                                       params={"new_tokens": 8})
+    assert served == predict_text(*load_text_folder(exported), ["The import"], new_tokens=8)
 
 
 def test_a_bert_classifier_on_labelled_text_and_a_config_only_folder(airflow_db, help_text, tmp_path, monkeypatch):

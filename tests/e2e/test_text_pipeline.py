@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import boto3
+import mlflow
+import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -15,6 +17,8 @@ from training.data.dataset import open_dataset
 from training.data.options import DataOptions
 from training.data.synthetic import make_text_dataset
 from training.data.text import documents, unigram_byte_entropy
+from training.results.registry import exported_folder
+from training.results.text_model import load_text_folder, predict_text
 
 pytestmark = pytest.mark.slow
 TEXT = {"text_column": "text", "model": "transformer", "hidden": 128, "depth": 2, "n_heads": 4, "seq_len": 64,
@@ -52,12 +56,18 @@ def test_a_language_model_on_text_then_the_same_text_from_s3(airflow_db, s3_serv
     assert "## Prompt 1" in Path(client.download_artifacts(run.info.run_id, "samples/samples.md", str(tmp_path))).read_text()
     # The registered model carries its tokenizer, the one the run trained.
     version = client.get_model_version("text-lm", tags["registry.version"])
-    model_dir = Path(client.download_artifacts(version.run_id, "", str(tmp_path / "reg")))
     assert version.tags["registry.decision"] == "champion"
+    registered = exported_folder(mlflow.artifacts.download_artifacts(f"models:/text-lm/{version.version}",
+                                                                     dst_path=str(tmp_path / "reg")))
     run_tokenizer = Path(client.download_artifacts(run.info.run_id, "tokenizer/tokenizer.json", str(tmp_path / "t")))
-    registered = [p for p in (tmp_path / "reg").rglob("tokenizer.json") if "extra_files" in str(p)] or \
-        [p for p in Path(model_dir).rglob("tokenizer.json")]
-    assert registered and registered[0].read_text() == run_tokenizer.read_text()
+    assert (registered / "tokenizer.json").read_text() == run_tokenizer.read_text()
+    # It answers text with text: the continuations the checkpoint's model makes.
+    prompts = ["The import statement", "A list is"]
+    served = mlflow.pyfunc.load_model("models:/text-lm@champion").predict(pd.DataFrame({"text": prompts}),
+                                                                         params={"new_tokens": 12})
+    checkpoint = tmp_path / "store" / "text-lm" / run.info.run_id / tags["checkpoint.uri"].rsplit("/", 1)[-1]
+    assert served == predict_text(*load_text_folder(checkpoint), prompts, new_tokens=12)
+    assert all(isinstance(s, str) for s in served) and any(served)
 
     # The same documents and tokenizer, now in S3: the store holds their windows already.
     s3 = boto3.client("s3", endpoint_url=s3_server["endpoint"])
@@ -89,3 +99,9 @@ def test_text_with_a_label_trains_a_classifier(airflow_db, tmp_path):
     files = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}
     assert "evaluation/confusion_matrix.png" in files
     assert tags["registry.decision"] == "champion" and "eval/accuracy" in tags["registry.reason"]
+    # The registered model takes documents and returns their classes, as the checkpoint's model does.
+    docs = documents(open_dataset(data, DataOptions(text_column="text")).table("validation"), "text")[:40]
+    served = mlflow.pyfunc.load_model("models:/text-classes@champion").predict(pd.DataFrame({"text": docs}))
+    checkpoint = tmp_path / "store" / "text-classes" / run.info.run_id / tags["checkpoint.uri"].rsplit("/", 1)[-1]
+    assert list(served) == predict_text(*load_text_folder(checkpoint), docs)
+    assert set(served) == {0, 1}, served  # both classes among 40 documents

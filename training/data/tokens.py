@@ -61,7 +61,7 @@ def _windows(ids: list[list[int]], eot: int, seq_len: int) -> tuple[np.ndarray, 
     return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1), len(stream)
 
 
-def _rows(ids: list[list[int]], pad: int, seq_len: int) -> np.ndarray:
+def classifier_rows(ids: list[list[int]], pad: int, seq_len: int) -> np.ndarray:
     """A classifier's rows: each document's first ``seq_len`` ids, padded with ``pad``."""
     out = np.full((len(ids), seq_len), pad, dtype=np.int64)
     for i, doc in enumerate(ids):
@@ -112,7 +112,7 @@ def build(dataset: Dataset, *, text_column: str, tokenizer: LoadedTokenizer, seq
         # A classifier's document is one sequence: the tokenizer's template ([CLS] ... [SEP]) applies.
         ids, lost = _encode(docs, tokenizer, special=bool(label))
         if label:  # one row per document: its first seq_len tokens, padded, and its class
-            windows, tokens = _rows(ids, stats["pad_id"], seq_len), sum(len(i) for i in ids)
+            windows, tokens = classifier_rows(ids, stats["pad_id"], seq_len), sum(len(i) for i in ids)
             classes = np.asarray(meta["classes"])
             values = np.asarray(table.column(label).to_numpy(zero_copy_only=False))
             arrays[f"{split}_labels"] = np.searchsorted(classes, values).astype(np.int64)

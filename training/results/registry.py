@@ -5,7 +5,8 @@
 
 The model is rebuilt from ``model.safetensors`` + ``model_config.json`` (no pickle), logged in
 MLflow's ``pt2`` format (``torch.export``) with an input example, a signature and the two source
-files, and registered as a version of ``registered_model``. It becomes ``champion`` when its gate
+files (a text model: as pyfunc from code, text in and text or classes out, with its tokenizer),
+and registered as a version of ``registered_model``. It becomes ``champion`` when its gate
 metric beats the champion's by more than ``margin``; ``challenger`` names the best other version.
 The decision and reason are tagged on version and run (``registry.*``). Retries are idempotent;
 gates of one registered model must run one at a time. Why: docs/decisions/0005-champion-gate-and-challenger.md.
@@ -65,12 +66,14 @@ def log_model(run_id: str, model_dir: str | Path, *, example_inputs, step: int):
     import torch
     from mlflow.models import infer_signature
 
-    from training.checkpoint.export import EXPORTED, load_exported
+    from training.checkpoint.export import EXPORTED, TOKENIZER_FILE, load_exported
 
     model_dir = Path(model_dir)
     experiment_id = _client().get_run(run_id).info.experiment_id
     model, spec = load_exported(model_dir)
-    model.eval()
+    if spec.kind in ("tokens", "text") and (model_dir / TOKENIZER_FILE).is_file():
+        with _experiment(experiment_id):
+            return _log_text_model(run_id, model_dir, step=step)
     example = np.ascontiguousarray(example_inputs)
     with torch.no_grad():
         output = model(torch.from_numpy(example)).numpy()
@@ -89,6 +92,50 @@ def log_model(run_id: str, model_dir: str | Path, *, example_inputs, step: int):
             extra_files=[str(model_dir / name) for name in EXPORTED if (model_dir / name).is_file()],
             metadata={"model_config": json.dumps(spec.to_json())},
         )
+
+
+def _log_text_model(run_id: str, model_dir: Path, *, step: int):
+    """A text model as ``mlflow.pyfunc`` from code (training/results/text_model_code.py): text in,
+    continuations or classes out, through the tokenizer exported beside it; the exported folder
+    is its artifact, the ``training`` package its code."""
+    import mlflow.pyfunc
+    import pandas as pd
+    import safetensors
+    import tokenizers
+    import torch
+    from mlflow.models import Model, infer_signature
+
+    import training
+    from training.results.text_model import ARTIFACT, NEW_TOKENS, TEXT_COLUMN, load_text_folder, predict_text
+
+    model, spec, tokenizer = load_text_folder(model_dir)
+    example = pd.DataFrame({TEXT_COLUMN: ["The ", "A"]})
+    params = {"new_tokens": NEW_TOKENS} if spec.kind == "tokens" else None
+    output = predict_text(model, spec, tokenizer, list(example[TEXT_COLUMN]), new_tokens=4)
+    requirements = [f"torch=={torch.__version__.split('+')[0]}", f"tokenizers=={tokenizers.__version__}",
+                    f"safetensors=={safetensors.__version__}", "numpy", "pandas"]
+    if spec.is_hf:
+        import transformers
+
+        requirements.append(f"transformers=={transformers.__version__}")
+    code = Path(training.__file__).parent
+    # Model.log: pyfunc.log_model has no run_id (it logs to the fluent active run; we log by id).
+    return Model.log(
+        artifact_path=None, flavor=mlflow.pyfunc, name="model", python_model=str(code / "results" / "text_model_code.py"), artifacts={ARTIFACT: str(model_dir)},
+        code_paths=[str(code)], run_id=run_id, step=step,
+        signature=infer_signature(example, output, params=params), input_example=example,
+        pip_requirements=requirements, metadata={"model_config": json.dumps(spec.to_json())})
+
+
+def exported_folder(downloaded: str | Path) -> Path:
+    """The exported folder inside a downloaded registered model (the pt2 model's extra files, or a
+    text model's artifact)."""
+    from training.checkpoint.export import MODEL_CONFIG_FILE
+
+    found = sorted(Path(downloaded).glob(f"*/**/{MODEL_CONFIG_FILE}"))
+    if not found:
+        raise FileNotFoundError(f"no {MODEL_CONFIG_FILE} in the registered model at {downloaded}")
+    return found[0].parent
 
 
 @contextlib.contextmanager
@@ -221,7 +268,7 @@ def _champion_value(client, name: str, champion, data_fingerprint: str | None,
     with tempfile.TemporaryDirectory() as tmp:
         local = mlflow.artifacts.download_artifacts(f"models:/{name}/{champion.version}", dst_path=tmp)
         try:
-            value = float(score_model(Path(local) / "extra_files"))
+            value = float(score_model(exported_folder(local)))
         except Exception as e:  # e.g. the champion expects other features: compare recorded values
             log.warning("could not re-score champion version %s on this data (%s); using its recorded %s",
                         champion.version, e, metric)
