@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -57,6 +58,11 @@ def _launch(sets: dict, *, nnodes: str = "1:1", nproc: int = 2, rdzv_conf: str =
                             stderr=subprocess.STDOUT, text=True, env=full_env, **kw)
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def _sets(dataset: Path, root: Path, **extra) -> dict:
     return {"dataset_uri": dataset, "checkpoint_dir": root / "ck", "output_dir": root / "out", "steps": 400,
             "batch_size": 32, "log_every": 5, "checkpoint_every": 100, **extra}
@@ -83,8 +89,15 @@ def test_sigterm_to_the_agent_ends_in_a_checkpoint_and_exit_75(dataset, tmp_path
 
 @pytest.mark.slow
 def test_sigterm_during_the_rendezvous_exits_143_at_once(dataset, tmp_path):
-    proc = _launch(_sets(dataset, tmp_path), nnodes="2:2", nproc=1, rdzv_conf="join_timeout=120")
-    time.sleep(8)  # the agent waits for a second node that never comes
+    port = free_port()
+    proc = _launch(_sets(dataset, tmp_path), nnodes="2:2", nproc=1, rdzv_conf="join_timeout=120", port=port)
+    # The agent hosts the rendezvous store once it is waiting for a second node that never comes
+    # (a fixed sleep raced the imports on a loaded machine: the signal came before any handler).
+    deadline = time.monotonic() + 120
+    while not _listening(port):
+        assert time.monotonic() < deadline and proc.poll() is None, "the agent never opened its rendezvous store"
+        time.sleep(0.1)
+    time.sleep(1)
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
