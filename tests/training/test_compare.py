@@ -12,7 +12,7 @@ import pytest
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from training.results.compare import scaling_points, select_runs, summarize, write_report
+from training.results.compare import scaling_points, select_runs, summarize
 
 
 def _log_run(client, exp_id, *, world_size, samples_per_s, strategy="ddp", comm_hook="none", step_s=0.01, comm_s=0.004,

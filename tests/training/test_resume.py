@@ -23,7 +23,6 @@ from pathlib import Path
 
 import boto3
 import pytest
-import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
