@@ -133,7 +133,9 @@ class Trainer:
         self.record = RankRecord(Path(cfg.output_dir) if cfg.output_dir else None, info.rank)
         self.phase = Phase(self.record, cfg.collective_timeout_s)
         _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
-        self.model, self.comm_timer = parallel.parallelize(build_model(spec, pretrained=True), cfg, info)
+        # Training mode explicitly: from_pretrained (an hf: folder with weights) returns a model in
+        # eval mode, which would train with its dropout off.
+        self.model, self.comm_timer = parallel.parallelize(build_model(spec, pretrained=True).train(), cfg, info)
         # DDP: the fused AdamW kernel, one call per step instead of a Python loop over the
         # parameters (a seventh of the demo MLP's step on one CPU core). FSDP2's sharded
         # parameters keep torch's default implementation.
