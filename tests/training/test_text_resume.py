@@ -1,6 +1,8 @@
 """Exact resume of a language model on text: a rank SIGKILLed between two checkpoints, torchrun
 restarts the group, which resumes from the newest checkpoint; the final weights are bit-identical
-to an uninterrupted run's (DDP and FSDP2, dropout on: the RNG streams are restored too)."""
+to an uninterrupted run's (DDP and FSDP2, dropout on: the RNG streams are restored too). The killed
+run also recomputes its activations (activation_checkpointing: selective with DDP, full with
+FSDP2), which must change nothing either."""
 
 import hashlib
 import json
@@ -16,6 +18,7 @@ from training.data.tokenizer import resolve
 from training.data.tokens import build
 
 STEPS = 30
+RECOMPUTE = {"ddp": "activation_checkpointing=selective", "fsdp": "activation_checkpointing=full"}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,7 @@ def test_a_language_model_killed_mid_run_resumes_bit_identical(shards, tmp_path,
     data, uri = shards
     base, killed = tmp_path / "base", tmp_path / "killed"
     _ok(run_torchrun(2, _sets(data, uri, base, strategy)))
-    proc = _ok(run_torchrun(2, _sets(data, uri, killed, strategy), max_restarts=1,
+    proc = _ok(run_torchrun(2, [*_sets(data, uri, killed, strategy), RECOMPUTE[strategy]], max_restarts=1,
                             env={"TRAINING_FAULT_KILL_AT_STEP": "15:1"}))
     assert "rank 1 SIGKILLs itself after step 15" in proc.stdout and "(step 10)" in proc.stdout
     assert _final(killed) == _final(base)
@@ -81,7 +84,8 @@ def test_a_hugging_face_model_killed_mid_run_resumes_bit_identical(tmp_path, str
     sets = lambda root: [s for s in _sets(tmp_path / "data", uri, root, strategy) if not s.startswith("model=")] + model
     env = {"HF_HUB_OFFLINE": "1"}
     _ok(run_torchrun(2, sets(base), env=env))
-    proc = _ok(run_torchrun(2, sets(killed), max_restarts=1, env={**env, "TRAINING_FAULT_KILL_AT_STEP": "15:1"}))
+    proc = _ok(run_torchrun(2, [*sets(killed), RECOMPUTE[strategy]], max_restarts=1,
+                            env={**env, "TRAINING_FAULT_KILL_AT_STEP": "15:1"}))
     assert "rank 1 SIGKILLs itself after step 15" in proc.stdout and "(step 10)" in proc.stdout
     assert _final(killed) == _final(base)
     got, want = _losses(killed), _losses(base)

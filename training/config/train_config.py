@@ -136,6 +136,10 @@ class TrainConfig:
                         maximum=256, section=ADVANCED)
     dropout: float = knob(0.0, "dropout probability (transformer)", title="Dropout", minimum=0, maximum=0.95,
                           section=ADVANCED)
+    activation_checkpointing: Literal["none", "full", "selective"] = knob(
+        "none", "recompute activations in backward instead of keeping them, per block (transformer, hf: and factory "
+        "models with fsdp_units): full = every block, selective = every second one; same gradients, less memory, "
+        "about a third more compute for full", title="Activation checkpointing", section=ADVANCED)
     bucket_cap_mb: float = knob(
         25.0, "DDP gradient bucket size in MiB: gradients are all-reduced bucket by bucket while backward still runs, "
         "so smaller buckets overlap more communication with compute (more, smaller collectives)",
@@ -259,6 +263,9 @@ def check_rules(cfg: TrainConfig) -> None:
     elif cfg.tokenizer:
         raise ConfigError("tokenizer", f"{cfg.tokenizer!r} tokenizes text, but text_column is empty",
                           "name the column of documents in text_column, or leave tokenizer empty for a table")
+    if cfg.activation_checkpointing != "none" and cfg.model in ("mlp", "cnn"):
+        raise ConfigError("activation_checkpointing", f"{cfg.model} has no blocks whose activations could be recomputed",
+                          "use activation_checkpointing=none, or model=transformer or an hf: model")
     if cfg.model == "transformer" and cfg.hidden % cfg.n_heads:
         raise ConfigError("n_heads", f"hidden={cfg.hidden} is not divisible by n_heads={cfg.n_heads}",
                           "choose n_heads dividing hidden (the transformer's width)")

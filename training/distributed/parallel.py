@@ -22,6 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from training.distributed.comm import CommTimer, _fsdp_timed_comms, _timed
+from training.models import activations
 from training.models.build import shard_units
 from training.util import free_port
 
@@ -115,6 +116,7 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
     precision=bf16 parameters are all-gathered and computed in bf16, gradients reduced in fp32.
     """
     model = model.to(info.device)
+    activations.apply(model, cfg.activation_checkpointing)  # before wrapping: FSDP2's hooks stay outside it
     timer = CommTimer(info.device)
     if cfg.strategy == "ddp":
         wrapped = DDP(
