@@ -74,11 +74,12 @@ def trainer_rate(a, data: Path, tmp: Path, i: int) -> float:
     sets = {**_model_sets(a), "dataset_uri": data, "steps": a.steps, "log_every": a.log_every, "checkpoint_every": 0,
             "checkpoint_dir": tmp / f"ck{i}", "output_dir": tmp / f"out{i}"}
     out = _torchrun(a.world, [x for k, v in sets.items() for x in ("--set", f"{k}={v}")])
-    lines = [(int(s), int(r)) for s, r in PROGRESS.findall(out)]
-    # Samples over window time after the first (warm-up) interval, as the bare loop is timed.
-    samples = sum(a.batch_size * (b[0] - p[0]) for p, b in zip(lines, lines[1:]))
-    seconds = sum(a.batch_size * (b[0] - p[0]) / b[1] for p, b in zip(lines, lines[1:]))
-    return samples / seconds
+    if not PROGRESS.search(out):
+        raise RuntimeError(f"no progress line in the trainer's output:\n{out[-3000:]}")
+    # From the end of the first (warm-up) steps to the end of the last, as the bare loop is timed:
+    # the per-step records' timestamps (the progress lines' samples/s are whole numbers).
+    t = {r["step"]: r["t"] for r in map(json.loads, (tmp / f"out{i}" / "steps.jsonl").read_text().splitlines())}
+    return a.batch_size * (a.steps - a.log_every) / (t[a.steps] - t[a.log_every])
 
 
 def baseline_rate(a, data: Path, mode: str) -> float:
@@ -87,6 +88,26 @@ def baseline_rate(a, data: Path, mode: str) -> float:
                               *[x for k, v in _model_sets(a).items() for x in (f"--{k.replace('_', '-')}", str(v))],
                               "--steps", str(a.steps), "--log-every", str(a.log_every)], entry=[str(Path(__file__).resolve())])
     return json.loads(out.strip().splitlines()[-1])["samples_per_s"]
+
+
+def mfu(a, data: Path, samples_per_s: float) -> None:
+    """The trainer's model FLOP/s utilisation against this machine's measured peak: one large
+    float32 matmul (2048 x 2048) with the ranks' thread count, timed here after the rounds."""
+    import torch
+
+    from training.data.synthetic import read_meta
+    from training.metrics.formulas import flops_per_sample
+    from training.metrics.peak import measure_matmul_flops
+    from training.models.build import build_model
+    from training.models.spec import ModelSpec
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    spec = ModelSpec.for_data(a.model, read_meta(data), hidden=a.hidden, depth=a.depth, n_heads=a.n_heads)
+    n_params = sum(p.numel() for p in build_model(spec).parameters())
+    peak = measure_matmul_flops(torch.device("cpu"), "fp32", n=2048)
+    used = flops_per_sample(spec, n_params) * samples_per_s / a.world
+    print(f"{n_params / 1e6:.1f}M parameters, seq_len {spec.seq_len}: {used / 1e9:.1f} GFLOP/s per rank of a measured "
+          f"peak {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} thread matmul 2048^3): MFU {used / peak:.1%}")
 
 
 def lightning_loop(a) -> None:
@@ -227,6 +248,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=TrainConfig.hidden)
     ap.add_argument("--depth", type=int, default=TrainConfig.depth)
     ap.add_argument("--n-heads", type=int, default=TrainConfig.n_heads)
+    ap.add_argument("--seq-len", type=int, default=32, help="transformer: tokens per sequence of the Markov data")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-lightning", action="store_true", help="skip the Lightning runs")
     ap.add_argument("--lightning-loader", choices=["batches", "samples"], default="batches",
@@ -249,23 +271,27 @@ def main() -> int:
         a.no_lightning = True
     tmp = Path(tempfile.mkdtemp(prefix="overhead-bench-"))
     data = tmp / "data"
-    kind = ["--kind", "markov", "--train-rows", "4000", "--val-rows", "100"] if a.model == "transformer" else []
+    kind = (["--kind", "markov", "--train-rows", "4000", "--val-rows", "100", "--seq-len", str(a.seq_len)]
+            if a.model == "transformer" else [])
     subprocess.run([sys.executable, "-m", "training", "make-data", "--out", str(data), *kind], check=True,
                    capture_output=True, cwd=ROOT)
     print(f"{a.model} hidden={a.hidden} depth={a.depth}, batch {a.batch_size}, {a.world} ranks, {a.steps} steps "
           f"(first {a.log_every} not timed)  [load {os.getloadavg()[0]:.2f}]")
-    ratios, lightning_ratios = [], []
+    ratios, lightning_ratios, rates = [], [], []
     for i in range(a.repeats):
         ours = trainer_rate(a, data, tmp, i)
+        rates.append(ours)
         bare = baseline_rate(a, data, "bare")
         ratios.append(ours / bare)
-        line = f"  round {i + 1}: trainer {ours:8.0f} samples/s | bare loop {bare:8.0f} | trainer/bare {ours / bare:.3f}"
+        line = f"  round {i + 1}: trainer {ours:8.4g} samples/s | bare loop {bare:8.4g} | trainer/bare {ours / bare:.3f}"
         if not a.no_lightning:
             light = baseline_rate(a, data, "lightning")
             lightning_ratios.append(ours / light)
             line += f" | Lightning {light:8.0f} | trainer/Lightning {ours / light:.2f}"
         print(f"{line}  [load {os.getloadavg()[0]:.2f}]", flush=True)
     print(f"trainer / bare loop (median of {a.repeats} rounds): {statistics.median(ratios):.3f}  (goal >= 0.97)")
+    if a.model == "transformer":
+        mfu(a, data, statistics.median(rates))
     if lightning_ratios:
         print(f"trainer / Lightning (median of {a.repeats} rounds): {statistics.median(lightning_ratios):.2f}  (goal >= 2)")
     return 0
