@@ -4,6 +4,8 @@ root filesystem, every capability dropped, no privilege escalation, a writable /
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.e2e.pods import run_to_end
@@ -53,6 +55,30 @@ def test_make_data_and_a_two_rank_torchrun_train(container_engine, training_imag
     assert "train: mlp/ddp/fp32 on 2 ranks, backend=gloo" in out and "train: done at step 20" in out
     final = data_dir / "ck" / "step_00000020"
     assert {"manifest.json", "model.safetensors", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in final.iterdir()}
+
+
+def test_a_language_model_tokenizes_and_trains_in_the_image(container_engine, training_image, data_dir):
+    """What a pod does with text: the help text, a BPE trained in the container, the token windows
+    in a store, two ranks reading them (with activation checkpointing), the model exported with its
+    tokenizer."""
+    code, out = _run(container_engine, training_image, "make-data", "--kind", "text", "--out", "/data/text",
+                     volume=data_dir)
+    assert code == 0, out
+    code, out = _run(container_engine, training_image, "tokenize", "--dataset-uri", "/data/text", "--text-column",
+                     "text", "--tokenizer", "bpe:300", "--seq-len", "32", "--out", "/data/store", volume=data_dir)
+    assert code == 0, out
+    shards = json.loads(out.strip().splitlines()[-1])["token_shards"]
+    sets = {"dataset_uri": "/data/text", "text_column": "text", "token_shards": shards, "model": "transformer",
+            "hidden": 32, "depth": 2, "seq_len": 32, "steps": 10, "batch_size": 16, "log_every": 5,
+            "checkpoint_every": 0, "activation_checkpointing": "full", "checkpoint_dir": "/data/ck-text",
+            "output_dir": "/data/out-text"}
+    code, out = run_to_end(container_engine, [
+        *RESTRICTED, "--volume", f"{data_dir}:/data", "--env", "GLOO_SOCKET_IFNAME=lo", "--env", "OMP_NUM_THREADS=1",
+        "--entrypoint", "torchrun", training_image, "--standalone", "--nproc-per-node", "2", "-m", "training", "train",
+        *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]])
+    assert code == 0, out[-4000:]
+    assert "train: done at step 10" in out, out[-4000:]
+    assert {"model.safetensors", "tokenizer.json"} <= {p.name for p in (data_dir / "ck-text" / "step_00000010").iterdir()}
 
 
 def test_no_pip_configuration_or_host_file_is_in_the_image(container_engine, training_image):
