@@ -96,6 +96,7 @@ def test_text_with_a_label_trains_a_classifier(airflow_db, tmp_path):
     assert tags["data.task"] == "classification" and tags["data.label"] == "label"
     assert m["eval/accuracy"] > 0.85, m  # code and grammar against prose; the shares are 44% / 56%
     assert "eval/bits_per_byte" not in m
+    assert m["perf/tokens_per_s"] == pytest.approx(m["perf/samples_per_s"] * TEXT["seq_len"], rel=1e-6)
     files = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}
     assert "evaluation/confusion_matrix.png" in files
     assert tags["registry.decision"] == "champion" and "eval/accuracy" in tags["registry.reason"]

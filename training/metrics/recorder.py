@@ -214,7 +214,7 @@ class MetricsRecorder:
             "perf/samples_per_s": cfg.batch_size / step_s,
             "perf/data_wait_s": data_sum / w.steps,
         }
-        if self.spec.kind == "tokens":
+        if self.spec.kind in ("tokens", "text"):  # a classifier's rows: seq_len positions each, padding included
             stats["perf/tokens_per_s"] = cfg.batch_size * self.spec.seq_len / step_s
         stats["perf/mfu"] = self.flops_per_sample * stats["perf/samples_per_s"] / (self.peak_flops * info.world_size)
         if self.comm_timer.timed and w.comm is not None and w.comm.collectives:  # see CommTimer
