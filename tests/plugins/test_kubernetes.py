@@ -70,10 +70,10 @@ def serialize(obj) -> dict:
     return ApiClient().sanitize_for_serialization(obj)
 
 
-def build_job(kubeconfig: str, params: dict, *, run_id: str = RUN_ID, try_number: int = 1):
+def build_job(kubeconfig: str, params: dict, *, run_id: str = RUN_ID, try_number: int = 1, token_shards: str = ""):
     """Job + Names, built by the real KubernetesJobOperator from our arguments."""
     names = K.names(params, mlflow_run_id=run_id, try_number=try_number)
-    cfg = K.pod_train_config(params, run_dir=names.run_dir, run_id=run_id)
+    cfg = K.pod_train_config(params, run_dir=names.run_dir, run_id=run_id, token_shards=token_shards)
     kwargs = K.job_operator_kwargs(params, names, mlflow_run_id=run_id, tracking_uri=MLFLOW, train_config=cfg)
     kwargs["kubernetes_conn_id"] = None  # no Airflow connection here: the kubeconfig file instead
     op = KubernetesJobOperator(task_id="train_on_kubernetes", in_cluster=False, config_file=kubeconfig,
@@ -375,6 +375,21 @@ def test_checkpoints_in_the_store_need_no_volume_and_no_upload_pod(in_store, ver
     up = ops.UploadPodOperator(task_id="upload_on_kubernetes", handoff={"mlflow_run_id": RUN_ID})
     with pytest.raises(AirflowSkipException, match="the ranks committed the final checkpoint"):
         up.execute({"params": in_store.params, "ti": SimpleNamespace(try_number=1)})
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_a_text_run_reads_the_token_windows_the_tokenize_task_wrote(kubeconfig, version):
+    params = k8s_params(dataset_uri="s3://corpus/help", text_column="text", tokenizer="bpe:1024", seq_len=256,
+                        model="transformer", activation_checkpointing="full")
+    shards = "s3://checkpoints/team/tokens/5d41402abc4b2a76"
+    job, _ = build_job(kubeconfig, params, token_shards=shards)
+    kubernetes_validate.validate(job, version, strict=True)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    sets = dict(a.split("=", 1) for a in torchrun_args(container).training_script_args[2::2])
+    assert sets["token_shards"] == shards and sets["dataset_uri"] == "s3://corpus/help"
+    assert (sets["text_column"], sets["seq_len"], sets["activation_checkpointing"]) == ("text", "256", "full")
+    init = job["spec"]["template"]["spec"]["initContainers"][0]
+    assert f"token_shards={shards}" in init["command"], "the pre-start check reads the same windows"
 
 
 def test_the_init_container_checks_the_store_with_the_pods_secret(in_store, s3_server, tmp_path):
