@@ -25,7 +25,7 @@ from training.tracking.run import summary_of
 # What the local backend logs for the same run (docs/architecture.md, "Metrics (one schema)").
 SCHEMA = {"train/loss", "train/lr", "train/grad_norm", "perf/samples_per_s", "perf/step_s", "perf/data_wait_s",
           "perf/mfu", "comm/s_per_step", "comm/exposed_s_per_step", "comm/exposed_fraction", "comm/bytes_per_step",
-          "comm/collectives_per_step", "eval/loss", "eval/accuracy"}
+          "comm/collectives_per_step", "eval/loss", "eval/accuracy", "mem/peak_bytes_max", "mem/peak_bytes_rank_0"}
 # One-off figures: the run summary (summary.* tags), as on the local backend.
 SUMMARY = {"goodput", "train_wall_s", "device_hours", "peak_mem_bytes_max", "state_bytes_per_rank", "torchrun_wall_s"}
 

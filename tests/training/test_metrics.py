@@ -254,6 +254,11 @@ def test_each_step_logged_once_across_a_group_restart_and_a_task_retry(dataset, 
         assert [m.step for m in _history(run_id, key)] == (every10 if key.startswith("eval") else [10, 20, 30]), key
     s = read_summary(run_id)  # one-off figures: the run summary, the headline ones also one-value metrics
     assert s["steps_to_target"] == 10.0 and s["time_to_target_s"] > 0
+    # Each rank's peak memory every window (a torch process holds well over 100 MB), the max beside it.
+    peaks = {k: [m.value for m in _history(run_id, f"mem/peak_bytes_{k}")] for k in ("rank_0", "rank_1", "max")}
+    assert all(len(v) == len(every5) for v in peaks.values()), peaks
+    assert peaks["max"] == [max(a, b) for a, b in zip(peaks["rank_0"], peaks["rank_1"])]
+    assert min(peaks["rank_0"] + peaks["rank_1"]) > 100e6 and s["peak_mem_bytes_max"] >= peaks["max"][-1]
     assert [m.value for m in _history(run_id, "time_to_target_s")] == [s["time_to_target_s"]]
 
     # Evaluation in the trainer agrees with an independent scoring of the final weights.

@@ -197,12 +197,14 @@ class MetricsRecorder:
         exposed = sum(self.comm_timer.exposed_seconds(e) for e in w.exposed)
         # One collective per window (an all-gather; the sums and the max are taken here): every
         # collective is a round trip that waits for the slowest rank.
-        mine = torch.tensor([float(w.loss), w.comm_s, w.data_s, exposed, elapsed], dtype=torch.float64)
+        mine = torch.tensor([float(w.loss), w.comm_s, w.data_s, exposed, elapsed, peak_memory_bytes(info.device)],
+                            dtype=torch.float64)
         ranks = [torch.empty_like(mine) for _ in range(info.world_size)]
         dist.all_gather(ranks, mine)
         every = torch.stack(ranks)
         loss_sum, comm_sum, data_sum, exposed_sum = (every[:, :4].sum(dim=0) / info.world_size).tolist()
         step_s = float(every[:, 4].max()) / w.steps
+        peaks = every[:, 5].tolist()  # each rank's peak so far (CPU: its resident set; CUDA: max allocated)
         grad_norm = self._grad_norm
         if grad_norm is None:  # gradients of the last step are still in .grad until the next zero_grad
             grad_norm = torch.nn.utils.clip_grad_norm_(self.state.model.parameters(), float("inf"))
@@ -213,6 +215,8 @@ class MetricsRecorder:
             "perf/step_s": step_s,
             "perf/samples_per_s": cfg.batch_size / step_s,
             "perf/data_wait_s": data_sum / w.steps,
+            "mem/peak_bytes_max": max(peaks),
+            **{f"mem/peak_bytes_rank_{r}": p for r, p in enumerate(peaks)},
         }
         if self.spec.kind in ("tokens", "text"):  # a classifier's rows: seq_len positions each, padding included
             stats["perf/tokens_per_s"] = cfg.batch_size * self.spec.seq_len / step_s
