@@ -44,6 +44,11 @@ def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path 
     dist.barrier()
 
 
+def read_spec(path: str | Path) -> ModelSpec:
+    """The spec of an exported model folder (its ``model_config.json``), without building the model."""
+    return ModelSpec.from_json(json.loads((Path(path) / MODEL_CONFIG_FILE).read_text()))
+
+
 def load_exported(path: str | Path):
     """Rebuild the model from ``model.safetensors`` + ``model_config.json`` (no pickle involved)."""
     from safetensors.torch import load_file
@@ -51,7 +56,7 @@ def load_exported(path: str | Path):
     from training.models.build import build_model
 
     path = Path(path)
-    spec = ModelSpec.from_json(json.loads((path / MODEL_CONFIG_FILE).read_text()))
+    spec = read_spec(path)
     model = build_model(spec)
     if spec.is_hf:  # the folder's names are the hf model's own
         from training.models.hf import load_folder_weights

@@ -69,7 +69,7 @@ def classifier_rows(ids: list[list[int]], pad: int, seq_len: int) -> np.ndarray:
     return out
 
 
-def _encode(docs: list[Any], tok: LoadedTokenizer, *, special: bool = False) -> tuple[list[list[int]], int]:
+def encode_documents(docs: list[Any], tok: LoadedTokenizer, *, special: bool = False) -> tuple[list[list[int]], int]:
     """Token ids of each document, and the UTF-8 bytes the tokenizer could not represent (its
     unknown token's spans; 0 for byte-level tokenizers)."""
     if docs and not isinstance(docs[0], str):  # pre-tokenized (list<int>)
@@ -110,7 +110,7 @@ def build(dataset: Dataset, *, text_column: str, tokenizer: LoadedTokenizer, seq
         table = dataset.table(split)
         docs = [d for d in documents(table, text_column) if d is not None]
         # A classifier's document is one sequence: the tokenizer's template ([CLS] ... [SEP]) applies.
-        ids, lost = _encode(docs, tokenizer, special=bool(label))
+        ids, lost = encode_documents(docs, tokenizer, special=bool(label))
         if label:  # one row per document: its first seq_len tokens, padded, and its class
             windows, tokens = classifier_rows(ids, stats["pad_id"], seq_len), sum(len(i) for i in ids)
             classes = np.asarray(meta["classes"])

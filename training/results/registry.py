@@ -66,14 +66,14 @@ def log_model(run_id: str, model_dir: str | Path, *, example_inputs, step: int):
     import torch
     from mlflow.models import infer_signature
 
-    from training.checkpoint.export import EXPORTED, TOKENIZER_FILE, load_exported
+    from training.checkpoint.export import EXPORTED, TOKENIZER_FILE, load_exported, read_spec
 
     model_dir = Path(model_dir)
     experiment_id = _client().get_run(run_id).info.experiment_id
-    model, spec = load_exported(model_dir)
-    if spec.kind in ("tokens", "text") and (model_dir / TOKENIZER_FILE).is_file():
+    if read_spec(model_dir).kind in ("tokens", "text") and (model_dir / TOKENIZER_FILE).is_file():
         with _experiment(experiment_id):
             return _log_text_model(run_id, model_dir, step=step)
+    model, spec = load_exported(model_dir)
     example = np.ascontiguousarray(example_inputs)
     with torch.no_grad():
         output = model(torch.from_numpy(example)).numpy()
@@ -121,8 +121,9 @@ def _log_text_model(run_id: str, model_dir: Path, *, step: int):
     code = Path(training.__file__).parent
     # Model.log: pyfunc.log_model has no run_id (it logs to the fluent active run; we log by id).
     return Model.log(
-        artifact_path=None, flavor=mlflow.pyfunc, name="model", python_model=str(code / "results" / "text_model_code.py"), artifacts={ARTIFACT: str(model_dir)},
-        code_paths=[str(code)], run_id=run_id, step=step,
+        artifact_path=None, flavor=mlflow.pyfunc, name="model", run_id=run_id, step=step,
+        python_model=str(code / "results" / "text_model_code.py"), artifacts={ARTIFACT: str(model_dir)},
+        code_paths=[str(code)],
         signature=infer_signature(example, output, params=params), input_example=example,
         pip_requirements=requirements, metadata={"model_config": json.dumps(spec.to_json())})
 

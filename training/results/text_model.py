@@ -47,14 +47,14 @@ def predict_text(model, spec, tokenizer, texts: list[str], *, new_tokens: int = 
     ``tokenizer``: a training.data.tokenizer.LoadedTokenizer."""
     import torch
 
-    from training.data.tokens import classifier_rows
+    from training.data.tokens import classifier_rows, encode_documents
     from training.models.generate import continue_text
 
     if spec.kind == "tokens":  # a language model: the continuation
         return continue_text(model, tokenizer.tokenizer, texts, seq_len=spec.seq_len, new_tokens=int(new_tokens),
                              stop_id=tokenizer.eot_id)
-    # A classifier's document, tokenized as in its token shards (the template applies, padded rows).
-    ids = [e.ids for e in tokenizer.tokenizer.encode_batch(texts, add_special_tokens=True)]
+    # A classifier's document, tokenized as its token shards were (the template applies, padded rows).
+    ids, _ = encode_documents(texts, tokenizer, special=True)
     with torch.no_grad():
         logits = model(torch.from_numpy(classifier_rows(ids, spec.pad_id, spec.seq_len)))
     classes = spec.classes or list(range(spec.n_classes))
