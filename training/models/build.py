@@ -9,6 +9,7 @@ Parallelism is applied from outside; ``shard_units`` names what FSDP shards one 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 from typing import Any, Callable
@@ -20,6 +21,7 @@ from torch import nn
 
 from training.config.fields import ConfigError
 from training.models.builtin import CNN, MLP, TextClassifier, Transformer
+from training.models.materialize import InitialWeights, default_rule, meta_parameters
 from training.models.spec import ModelSpec
 
 
@@ -44,6 +46,12 @@ class Tabular(nn.Module):
     @property
     def fsdp_units(self) -> list[nn.Module]:
         return shard_units(self.model)
+
+    def init_module(self, name: str, m: nn.Module) -> None:
+        """The wrapped model's initialisation (its names without ``model.``); the statistics are
+        buffers, set in the constructor."""
+        if name == "model" or name.startswith("model."):
+            default_rule(self.model)(name.removeprefix("model").removeprefix("."), m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.standardize:
@@ -97,14 +105,32 @@ def _build_inner(spec: ModelSpec, pretrained: bool = False) -> nn.Module:
     return model
 
 
-def build_model(spec: ModelSpec, *, pretrained: bool = False) -> nn.Module:
+def build_model(spec: ModelSpec, *, pretrained: bool = False, meta: bool = False) -> nn.Module:
     """The model ``spec`` describes, with the data transform of a table inside (``Tabular``).
-    ``pretrained``: an ``hf:`` model starts from its folder's weights (where it has them)."""
-    model = _build_inner(spec, pretrained)
+    ``pretrained``: an ``hf:`` model starts from its folder's weights (where it has them).
+    ``meta``: parameters on the meta device, without values (``build_for_training``)."""
+    with meta_parameters() if meta else contextlib.nullcontext():
+        model = _build_inner(spec, pretrained and not meta)
     norm, target = spec.normalization, spec.target
     if norm is None and target is None:
         return model
     return Tabular(model, mean=norm and norm["mean"], std=norm and norm["std"], target=target)
+
+
+def build_for_training(spec: ModelSpec, *, seed: int, strategy: str) -> tuple[nn.Module, InitialWeights]:
+    """The model with its parameters on the meta device, and what gives them their initial values
+    once parallelism is applied (``InitialWeights``: drawn keyed by (seed, name), or an ``hf:``
+    folder's weights read shard by shard). A factory model under ddp is built as its function
+    builds it (its own initialisation, whatever it is); under fsdp its modules are re-initialised
+    by its ``init_module(name, module)`` or each module's ``reset_parameters``."""
+    meta = strategy == "fsdp" or not spec.is_factory
+    model = build_model(spec, pretrained=not meta, meta=meta)
+    source = None
+    if meta and spec.is_hf and spec.arch.get("pretrained"):
+        from training.models.hf import folder
+
+        source = folder(spec.model)
+    return model, InitialWeights(model, seed, pretrained=source)
 
 
 def check_model(spec: ModelSpec, example: np.ndarray, *, strategy: str = "ddp") -> None:
