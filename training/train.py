@@ -44,6 +44,7 @@ from training.models.spec import ModelSpec
 from training.store import check_writable
 from training.tracking.relay import logger_for
 from training.tracking.run import OnceLogger
+from training.util import return_large_frees
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "StepLog", "Trainer", "lr_lambda", "run"]
 
@@ -101,6 +102,7 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Check everything that can be checked, then train. Raises ConfigError before any process
     group exists when the config, the launch size, the hardware, the dataset or the model don't fit."""
+    return_large_frees()  # resident memory follows what the rank holds (a pod's limit is on it)
     startup = StartupClock()
     startup.mark("imports")  # the interpreter's start and the imports (torch, the trainer)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -197,6 +199,7 @@ class Trainer:
                     self._loop()
                 with self.phase("final export"):
                     self.preemption.drain()
+                    self.optimizer.zero_grad(set_to_none=True)  # not saved: room for the export's gather
                     final_uri = self.checkpointer.finalize(self.state, self.model, self.spec, self.tokenizer_file)
         finally:
             self.recorder.close()

@@ -136,14 +136,26 @@ def build_for_training(spec: ModelSpec, *, seed: int, strategy: str) -> tuple[nn
 def check_model(spec: ModelSpec, example: np.ndarray, *, strategy: str = "ddp") -> None:
     """Build the model and run ``example`` (a few rows of model input) through it; ConfigError
     naming ``model`` with the factory path and the error when that fails or the output does not
-    fit the task. With fsdp, every ``fsdp_units`` entry must be a sub-module of the model."""
+    fit the task. With fsdp, every ``fsdp_units`` entry must be a sub-module of the model, and the
+    check runs on the meta device (shapes only: the whole model is never built), or for real
+    where the model cannot run there."""
+    if strategy == "fsdp":
+        try:
+            return _check(spec, example, strategy, meta=True)
+        except ConfigError as e:
+            if "meta" not in str(e).lower():
+                raise
+    return _check(spec, example, strategy, meta=False)
+
+
+def _check(spec: ModelSpec, example: np.ndarray, strategy: str, *, meta: bool) -> None:
     name = spec.model
     fix = ("make the factory importable where the model is built (PYTHONPATH, or the training image), return a "
            "torch.nn.Module built from the spec dict, and give one output per class (tables, images: [batch, "
            "n_classes]; regression: [batch, 1]; tokens: [batch, seq_len, vocab_size])")
     with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
         try:
-            model = build_model(spec)
+            model = build_model(spec, meta=meta)
         except Exception as e:
             raise ConfigError("model", f"{name}: {type(e).__name__}: {e}", fix) from None
     try:
@@ -154,12 +166,14 @@ def check_model(spec: ModelSpec, example: np.ndarray, *, strategy: str = "ddp") 
             stray = [type(u).__name__ for u in units if id(u) not in owned]
             if stray:
                 raise ValueError(f"fsdp_units must be sub-modules of the model, got {', '.join(stray)}")
+        if meta:
+            model.to("meta")  # buffers too (a table's statistics), beside the meta inputs
         model.eval()
         with torch.no_grad():
             x = torch.from_numpy(np.ascontiguousarray(example))
             if spec.kind == "tokens":
                 x = x[:, :-1]
-            out = model(x)
+            out = model(x.to("meta") if meta else x)
     except Exception as e:
         raise ConfigError("model", f"{name}: {type(e).__name__}: {e}", fix) from None
     want = (len(example), *spec.output_shape)
@@ -168,5 +182,3 @@ def check_model(spec: ModelSpec, example: np.ndarray, *, strategy: str = "ddp") 
         what = "regression" if spec.task == "regression" else f"{spec.task} over {spec.n_classes} classes"
         raise ConfigError("model", f"{name}: a batch of {len(example)} rows gave output {got}, but {spec.kind} "
                           f"{what} needs {want}", fix)
-
-
