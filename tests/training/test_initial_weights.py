@@ -99,3 +99,35 @@ def test_pretrained_weights_read_shard_by_shard_equal_from_pretrained(tmp_path):
     read = [k for k in sharded if k.removeprefix("model.") in stored]
     assert len(read) == len(stored) > 10
     assert [k for k in read if not torch.equal(sharded[k], reference[k.removeprefix("model.")])] == []
+
+
+def test_a_factory_parameter_no_rule_initialises_is_refused_naming_the_fix():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 3)
+            self.scale = torch.nn.Parameter(torch.ones(3))  # set in the constructor only
+
+        def forward(self, x):
+            return self.linear(x) * self.scale
+
+    from training.config.fields import ConfigError
+    from training.models.materialize import InitialWeights, meta_parameters
+
+    with meta_parameters():
+        model = Scaled()
+    with pytest.raises(ConfigError, match=r"config field 'model': parameter scale \(Scaled\) is given no initial "
+                       r"value.*init_module\(name, module\)"):
+        InitialWeights(model, seed=0)(model, torch.device("cpu"))
+
+    class Initialised(Scaled):
+        def init_module(self, name, m):
+            if m is self:
+                torch.nn.init.ones_(self.scale)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+    with meta_parameters():
+        model = Initialised()
+    InitialWeights(model, seed=0)(model, torch.device("cpu"))
+    assert torch.equal(model.scale, torch.ones(3)) and model.linear.weight.abs().max() <= 0.5

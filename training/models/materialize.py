@@ -97,7 +97,7 @@ def _drawn(shadow: nn.Module, name: str, seed: int, rule: InitRule) -> torch.Ten
     owner_name, _, attr = name.rpartition(".")
     owner = shadow.get_submodule(owner_name)
     meta = owner._parameters[attr]
-    value = torch.empty(meta.shape, dtype=meta.dtype)
+    value = torch.full(meta.shape, float("nan"), dtype=meta.dtype)  # what no rule wrote stays NaN
     owner._parameters[attr] = type(meta)(value, requires_grad=meta.requires_grad)
     parts = owner_name.split(".") if owner_name else []
     chain = [".".join(parts[:i]) for i in range(len(parts), -1, -1)]  # the owner, then each module above it
@@ -108,6 +108,13 @@ def _drawn(shadow: nn.Module, name: str, seed: int, rule: InitRule) -> torch.Ten
                 rule(qual, shadow.get_submodule(qual))
     finally:
         owner._parameters[attr] = meta
+    if value.is_floating_point() and value.isnan().any():
+        from training.config.fields import ConfigError
+
+        raise ConfigError("model", f"parameter {name} ({type(owner).__name__}) is given no initial value by the "
+                          "model's initialisation when built after sharding (strategy=fsdp)",
+                          "give the model an init_module(name, module) method that initialises that module's "
+                          "parameters (or the module a reset_parameters method), or use strategy=ddp")
     return value
 
 
@@ -134,7 +141,7 @@ def _load_pretrained(model: nn.Module, folder: Path) -> set[str]:
     from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
 
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        stored = set(f.keys())
+        stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     inner = getattr(model, "model", None)
     prefix = getattr(inner, "base_model_prefix", "") or ""
     wanted: dict[str, torch.Tensor] = {}
@@ -143,6 +150,13 @@ def _load_pretrained(model: nn.Module, folder: Path) -> set[str]:
         local = name.removeprefix("model.")
         for candidate in (local, local.removeprefix(f"{prefix}."), f"{prefix}.{local}"):
             if candidate in stored and candidate not in wanted:
+                if stored[candidate] != tuple(param.shape):
+                    from training.config.fields import ConfigError
+
+                    raise ConfigError("model", f"{folder}/model.safetensors holds {candidate} of shape "
+                                      f"{list(stored[candidate])}, the model needs {list(param.shape)}",
+                                      "train with the folder's own sizes (a classifier's classes: its num_labels), "
+                                      "or save the folder without that tensor")
                 wanted[candidate] = param
                 names.add(name)
                 break
