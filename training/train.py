@@ -38,12 +38,13 @@ from training.evaluate import Evaluator
 from training.metrics.recorder import MetricsRecorder
 from training.metrics.startup import StartupClock
 from training.metrics.steps import RunClock, StepLog, StepResult
-from training.models.build import build_model, check_model
+from training.models.build import build_for_training, check_model
 from training.models.loss import loss_fn, split_batch
 from training.models.spec import ModelSpec
 from training.store import check_writable
 from training.tracking.relay import logger_for
 from training.tracking.run import OnceLogger
+from training.util import return_large_frees
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "StepLog", "Trainer", "lr_lambda", "run"]
 
@@ -101,6 +102,7 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Check everything that can be checked, then train. Raises ConfigError before any process
     group exists when the config, the launch size, the hardware, the dataset or the model don't fit."""
+    return_large_frees()  # resident memory follows what the rank holds (a pod's limit is on it)
     startup = StartupClock()
     startup.mark("imports")  # the interpreter's start and the imports (torch, the trainer)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -133,9 +135,11 @@ class Trainer:
         self.record = RankRecord(Path(cfg.output_dir) if cfg.output_dir else None, info.rank)
         self.phase = Phase(self.record, cfg.collective_timeout_s)
         _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
-        # Training mode explicitly: from_pretrained (an hf: folder with weights) returns a model in
-        # eval mode, which would train with its dropout off.
-        self.model, self.comm_timer = parallel.parallelize(build_model(spec, pretrained=True).train(), cfg, info)
+        # Built on the meta device; its weights are set after sharding, keyed by (seed, name).
+        # Training mode explicitly: from_pretrained (a factory under ddp may load weights) can
+        # return a model in eval mode, which would train with its dropout off.
+        model, initial = build_for_training(spec, seed=cfg.seed, strategy=cfg.strategy)
+        self.model, self.comm_timer = parallel.parallelize(model.train(), cfg, info, initial)
         # DDP: the fused AdamW kernel, one call per step instead of a Python loop over the
         # parameters (a seventh of the demo MLP's step on one CPU core). FSDP2's sharded
         # parameters keep torch's default implementation.
@@ -195,6 +199,7 @@ class Trainer:
                     self._loop()
                 with self.phase("final export"):
                     self.preemption.drain()
+                    self.optimizer.zero_grad(set_to_none=True)  # not saved: room for the export's gather
                     final_uri = self.checkpointer.finalize(self.state, self.model, self.spec, self.tokenizer_file)
         finally:
             self.recorder.close()
