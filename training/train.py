@@ -35,6 +35,8 @@ from training.distributed import faults, parallel, precision
 from training.distributed.launch import EXIT_PREEMPTED
 from training.distributed.resilience import Phase, Preempted, Preemption, RankRecord, ReplicaCheck
 from training.evaluate import Evaluator
+from training.metrics.memory import Estimate, log_estimate, tame_malloc
+from training.metrics.preflight import preflight_rank
 from training.metrics.recorder import MetricsRecorder
 from training.metrics.startup import StartupClock
 from training.metrics.steps import RunClock, StepLog, StepResult
@@ -73,6 +75,7 @@ class Prepared:
     dataset: Dataset
     spec: ModelSpec
     train: Split
+    memory: Estimate | None = None  # this rank's estimated peak (the memory preflight)
 
 
 def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:
@@ -101,6 +104,7 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Check everything that can be checked, then train. Raises ConfigError before any process
     group exists when the config, the launch size, the hardware, the dataset or the model don't fit."""
+    tame_malloc()  # before the model: a CPU rank's resident set then follows what is live
     startup = StartupClock()
     startup.mark("imports")  # the interpreter's start and the imports (torch, the trainer)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -110,6 +114,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         raise ConfigError("checkpoint_dir", "is empty", "pass a folder, file:///folder or s3://bucket/prefix")
     check_writable(cfg.checkpoint_dir, field="checkpoint_dir")  # a missing bucket or denied keys: exit 2
     prepared = prepare(cfg)
+    prepared.memory = preflight_rank(cfg, prepared.spec, prepared.train, world)  # a run that cannot fit: exit 2
     startup.mark("data")
 
     info = parallel.init(cfg.collective_timeout_s)
@@ -165,6 +170,7 @@ class Trainer:
                                         metrics_log=self.metrics_log, clock=clock, restarts=self.restarts, phase=self.phase)
         self.evaluator = Evaluator(cfg, info, self.model, spec, prepared.dataset, metrics_log=self.metrics_log,
                                    clock=clock, recorder=self.recorder, phase=self.phase)
+        self.recorder.memory_estimate = prepared.memory
         self.evaluator.on_eval.append(self.checkpointer.note_eval)  # retention keeps the best by eval/loss
         self.replicas = ReplicaCheck(self.model, info, cfg.replica_check_every, self.phase)
         self.preemption = Preemption(cfg.preempt_grace_s, log_every=cfg.log_every, device=info.device,
