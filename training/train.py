@@ -35,7 +35,7 @@ from training.distributed import faults, parallel, precision
 from training.distributed.launch import EXIT_PREEMPTED
 from training.distributed.resilience import Phase, Preempted, Preemption, RankRecord, ReplicaCheck
 from training.evaluate import Evaluator
-from training.metrics.memory import Estimate, log_estimate, tame_malloc
+from training.metrics.memory import Estimate, tame_malloc
 from training.metrics.preflight import preflight_rank
 from training.metrics.recorder import MetricsRecorder
 from training.metrics.startup import StartupClock
@@ -78,11 +78,13 @@ class Prepared:
     memory: Estimate | None = None  # this rank's estimated peak (the memory preflight)
 
 
-def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:
+def prepare(cfg: TrainConfig, dataset: Dataset | None = None,
+            memory_check: Callable[[ModelSpec, Split], Estimate] | None = None) -> Prepared:
     """The data and the model spec, checked: the dataset opened (S3 through the local cache; data
     that changed since the gate refused), described, its train split read, the normalization
     statistics computed once from it, and the model built and run on two rows. Raises
-    ConfigError naming the field to fix. ``dataset``: one already open (the Airflow pre-launch check)."""
+    ConfigError naming the field to fix. ``dataset``: one already open (the Airflow pre-launch check).
+    ``memory_check``: the memory preflight, before the model is first built (on fake tensors)."""
     if dataset is None and cfg.token_shards:  # text: the windows the tokenize step made, verified
         dataset = open_shards(cfg.token_shards)
     elif dataset is None and cfg.text_column:
@@ -97,8 +99,9 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:
     train = dataset.split("train")
     spec = ModelSpec.for_data(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads,
                               dropout=cfg.dropout, model_args=cfg.model_args, train=train)
+    memory = memory_check(spec, train) if memory_check is not None else None
     check_model(spec, train.features[:2], strategy=cfg.strategy)
-    return Prepared(dataset=dataset, spec=spec, train=train)
+    return Prepared(dataset=dataset, spec=spec, train=train, memory=memory)
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
@@ -113,8 +116,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     if not cfg.checkpoint_dir:
         raise ConfigError("checkpoint_dir", "is empty", "pass a folder, file:///folder or s3://bucket/prefix")
     check_writable(cfg.checkpoint_dir, field="checkpoint_dir")  # a missing bucket or denied keys: exit 2
-    prepared = prepare(cfg)
-    prepared.memory = preflight_rank(cfg, prepared.spec, prepared.train, world)  # a run that cannot fit: exit 2
+    # A run that cannot fit this machine's memory: exit 2, before any rank builds its model.
+    prepared = prepare(cfg, memory_check=lambda spec, train: preflight_rank(cfg, spec, train, world))
     startup.mark("data")
 
     info = parallel.init(cfg.collective_timeout_s)

@@ -24,12 +24,12 @@ GiB, MiB = 1 << 30, 1 << 20
 # A rank's process before its model (python, torch, numpy, pyarrow, gloo's process group) on CPU,
 # measured by benchmarks/peak_memory_bench.py (docs/benchmarks.md); a CUDA rank's budget is its
 # free device memory, which the process itself does not use.
-BASELINE_CPU = 560 * MiB
+BASELINE_CPU = 440 * MiB
 # The torchrun agent beside the ranks of one machine (measured as above).
 AGENT_CPU = 200 * MiB
 # Freed-but-kept heap and fragmentation, as a share of the activations (the bytes that come and go
 # each step): measured on CPU with the malloc thresholds of ``tame_malloc``; CUDA's caching allocator.
-ALLOCATOR_SHARE = {"cpu": 0.5, "cuda": 0.25}
+ALLOCATOR_SHARE = {"cpu": 0.1, "cuda": 0.25}
 # FSDP2 holds a unit's full parameters while the next is prefetched and, in backward, its full
 # gradients beside them (measured: benchmarks/peak_memory_bench.py).
 FSDP_UNITS_HELD = 3
