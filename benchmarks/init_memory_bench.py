@@ -2,7 +2,7 @@
 2 ranks (torchrun, gloo), the old way (the whole model built on every rank, then ``fully_shard``)
 against the new (built on the meta device, sharded, each rank filling only its shards:
 training/models/materialize.py), each in fresh processes; glibc set to return large frees as a
-rank does (``training.util.return_large_frees``). The new way then trains two AdamW steps and
+rank does (``training.metrics.memory.tame_malloc``). The new way then trains two AdamW steps and
 exports, as a run does, and prints those peaks too.
 
     .venv/bin/python scripts/project_env.py .venv/bin/python benchmarks/init_memory_bench.py [--hidden 1024] [--depth 12]
@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 RANK = """
 import json, os, sys, types
-from training.util import return_large_frees
-return_large_frees()
+from training.metrics.memory import tame_malloc
+tame_malloc()
 def hwm():
     return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) << 10
 from training.distributed import parallel

@@ -35,6 +35,8 @@ from training.distributed import faults, parallel, precision
 from training.distributed.launch import EXIT_PREEMPTED
 from training.distributed.resilience import Phase, Preempted, Preemption, RankRecord, ReplicaCheck
 from training.evaluate import Evaluator
+from training.metrics.memory import Estimate, tame_malloc
+from training.metrics.preflight import preflight_rank
 from training.metrics.recorder import MetricsRecorder
 from training.metrics.startup import StartupClock
 from training.metrics.steps import RunClock, StepLog, StepResult
@@ -44,7 +46,6 @@ from training.models.spec import ModelSpec
 from training.store import check_writable
 from training.tracking.relay import logger_for
 from training.tracking.run import OnceLogger
-from training.util import return_large_frees
 
 __all__ = ["EXIT_PREEMPTED", "Preempted", "StepLog", "Trainer", "lr_lambda", "run"]
 
@@ -74,13 +75,16 @@ class Prepared:
     dataset: Dataset
     spec: ModelSpec
     train: Split
+    memory: Estimate | None = None  # this rank's estimated peak (the memory preflight)
 
 
-def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:
+def prepare(cfg: TrainConfig, dataset: Dataset | None = None,
+            memory_check: Callable[[ModelSpec, Split], Estimate] | None = None) -> Prepared:
     """The data and the model spec, checked: the dataset opened (S3 through the local cache; data
     that changed since the gate refused), described, its train split read, the normalization
     statistics computed once from it, and the model built and run on two rows. Raises
-    ConfigError naming the field to fix. ``dataset``: one already open (the Airflow pre-launch check)."""
+    ConfigError naming the field to fix. ``dataset``: one already open (the Airflow pre-launch check).
+    ``memory_check``: the memory preflight, before the model is first built (on fake tensors)."""
     if dataset is None and cfg.token_shards:  # text: the windows the tokenize step made, verified
         dataset = open_shards(cfg.token_shards)
     elif dataset is None and cfg.text_column:
@@ -95,14 +99,15 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:
     train = dataset.split("train")
     spec = ModelSpec.for_data(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads,
                               dropout=cfg.dropout, model_args=cfg.model_args, train=train)
+    memory = memory_check(spec, train) if memory_check is not None else None
     check_model(spec, train.features[:2], strategy=cfg.strategy)
-    return Prepared(dataset=dataset, spec=spec, train=train)
+    return Prepared(dataset=dataset, spec=spec, train=train, memory=memory)
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Check everything that can be checked, then train. Raises ConfigError before any process
     group exists when the config, the launch size, the hardware, the dataset or the model don't fit."""
-    return_large_frees()  # resident memory follows what the rank holds (a pod's limit is on it)
+    tame_malloc()  # before the model: a CPU rank's resident set then follows what is live
     startup = StartupClock()
     startup.mark("imports")  # the interpreter's start and the imports (torch, the trainer)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -111,7 +116,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     if not cfg.checkpoint_dir:
         raise ConfigError("checkpoint_dir", "is empty", "pass a folder, file:///folder or s3://bucket/prefix")
     check_writable(cfg.checkpoint_dir, field="checkpoint_dir")  # a missing bucket or denied keys: exit 2
-    prepared = prepare(cfg)
+    # A run that cannot fit this machine's memory: exit 2, before any rank builds its model.
+    prepared = prepare(cfg, memory_check=lambda spec, train: preflight_rank(cfg, spec, train, world))
     startup.mark("data")
 
     info = parallel.init(cfg.collective_timeout_s)
@@ -169,6 +175,7 @@ class Trainer:
                                         metrics_log=self.metrics_log, clock=clock, restarts=self.restarts, phase=self.phase)
         self.evaluator = Evaluator(cfg, info, self.model, spec, prepared.dataset, metrics_log=self.metrics_log,
                                    clock=clock, recorder=self.recorder, phase=self.phase)
+        self.recorder.memory_estimate = prepared.memory
         self.evaluator.on_eval.append(self.checkpointer.note_eval)  # retention keeps the best by eval/loss
         self.replicas = ReplicaCheck(self.model, info, cfg.replica_check_every, self.phase)
         self.preemption = Preemption(cfg.preempt_grace_s, log_every=cfg.log_every, device=info.device,

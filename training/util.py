@@ -70,23 +70,3 @@ def machine_cache_dir() -> Path:
     if os.environ.get("TRAINING_CACHE_DIR"):
         return Path(os.environ["TRAINING_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "airflow-distributed-training"
-
-
-def return_large_frees(threshold: int = 4 << 20) -> None:
-    """Make glibc's malloc serve blocks of ``threshold`` bytes or more with their own mappings and
-    give freed memory back to the system, so a rank's resident memory follows what it holds (by
-    default glibc raises its mmap threshold up to 32 MiB as blocks are freed and keeps the freed
-    tensors' memory in its arenas: peaks then depend on the order of frees). No-op off glibc."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
-        return
-    if mallopt is not None:
-        m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-        mallopt(m_mmap_threshold, threshold)
-        mallopt(m_trim_threshold, threshold)
