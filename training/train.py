@@ -30,7 +30,7 @@ from training.config.train_config import TrainConfig
 from training.data.dataset import Dataset, Split, open_dataset
 from training.data.options import DataOptions
 from training.data.sampler import ShardedSampler
-from training.data.stream import Blocks, StreamLoader
+from training.data.stream import NpyBlocks, StreamLoader
 from training.data.tokens import TokenDataset, open_shards
 from training.distributed import faults, parallel, precision
 from training.distributed.launch import EXIT_PREEMPTED
@@ -75,7 +75,7 @@ class Prepared:
     dataset: Dataset
     spec: ModelSpec
     train: Split
-    blocks: Blocks | None = None
+    blocks: NpyBlocks | None = None
 
 
 def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:

@@ -5,48 +5,24 @@ newest checkpoint and ends bit-identical to an uninterrupted run under the same 
 
 import hashlib
 import json
+import os
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests import memlimit
 from tests.conftest import free_port
 from training.data.dataset import open_dataset
 from training.data.options import DataOptions
-from training.data.synthetic import make_text_dataset
+from training.data.synthetic import grow_token_shards, make_text_dataset
 from training.data.tokenizer import resolve
-from training.data.tokens import MANIFEST, STATS, build
+from training.data.tokens import build
 from training.distributed.launch import torchrun_command
-from training.util import sha256_file
 
 LIMIT = 1 << 30  # the job's memory limit: agent + 2 ranks (they peak near 700 MiB on this data)
 DATA = LIMIT + (256 << 20)  # train.npy's bytes: larger than the limit
 STEPS = 30
-
-
-def _grow(folder: Path, nbytes: int) -> int:
-    """Make ``train.npy`` at least ``nbytes`` long by repeating its windows (written in chunks, never
-    held whole), and update the manifest and the split's size; returns the windows."""
-    small = np.load(folder / "train.npy")
-    chunk = np.tile(small, (max(1, (64 << 20) // small.nbytes), 1))
-    repeats = -(-nbytes // chunk.nbytes)
-    n = repeats * len(chunk)
-    header = {"descr": np.lib.format.dtype_to_descr(chunk.dtype), "fortran_order": False, "shape": (n, chunk.shape[1])}
-    with open(folder / "train.npy", "wb") as f:
-        np.lib.format.write_array_header_1_0(f, header)
-        for _ in range(repeats):
-            f.write(chunk.tobytes())
-    stats = json.loads((folder / STATS).read_text())
-    stats["splits"]["train"]["windows"] = n
-    (folder / STATS).write_text(json.dumps(stats, indent=2) + "\n")
-    manifest = json.loads((folder / MANIFEST).read_text())
-    for entry in manifest["files"]:
-        path = folder / entry["path"]
-        entry.update(size=path.stat().st_size, sha256=sha256_file(path))
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return n
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +32,7 @@ def big_shards(tmp_path_factory):
     ds = open_dataset(root / "data", DataOptions(text_column="text"))
     tok = resolve("bytes", train_documents=lambda: [])
     uri = build(ds, text_column="text", tokenizer=tok, seq_len=32, store_uri=str(root / "store")).uri
-    n = _grow(Path(uri.removeprefix("file://")), DATA)
+    n = grow_token_shards(uri.removeprefix("file://"), DATA)
     return root / "data", uri, n
 
 
@@ -67,8 +43,6 @@ def _run(group, data, uri, root, *, env=None, max_restarts=0):
             "checkpoint_dir": root / "ck", "output_dir": root / "out", "shuffle_window": 4}
     cmd = torchrun_command([a for k, v in sets.items() for a in ("--set", f"{k}={v}")], nproc_per_node=2,
                            master_port=free_port(), max_restarts=max_restarts)
-    import os
-
     full_env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}, "GLOO_SOCKET_IFNAME": "lo",
                 "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env, preexec_fn=group.join)

@@ -63,28 +63,38 @@ class ShardedSampler:
         self._plan(epoch)
         return (epoch, w + 1) if w + 1 < len(self._windows) else (epoch + 1, 0)
 
-    def _window_rows(self, epoch: int, w: int) -> np.ndarray:
-        """The rows of window ``w`` in their shuffled order."""
+    def _window_perm(self, epoch: int, w: int) -> np.ndarray:
+        """Window ``w``'s shuffle: positions into its rows (its blocks' rows, blocks ascending)."""
         if self._rows_key != (epoch, w):
-            blocks = self.window_blocks(epoch, w)
-            rows = np.concatenate([np.arange(self.starts[b], self.starts[b] + self.blocks[b]) for b in blocks])
+            size = int(self.blocks[self.window_blocks(epoch, w)].sum())
             # Window 0 draws from (seed, epoch) alone: a split in one window keeps the full permutation.
             key = [self.seed, epoch] if w == 0 else [self.seed, epoch, w]
-            self._rows = rows[np.random.default_rng(key).permutation(len(rows))]
+            self._rows = np.random.default_rng(key).permutation(size)
             self._rows_key = (epoch, w)
         return self._rows
 
-    def indices_at(self, pos: int, count: int) -> np.ndarray:
-        out = np.empty(count, dtype=np.int64)
-        filled = 0
+    def segments(self, pos: int, count: int) -> list[tuple[int, int, np.ndarray]]:
+        """Positions ``[pos, pos + count)`` as (epoch, window, positions into the window's rows)."""
+        out, filled = [], 0
         while filled < count:
             epoch, w = self.window_at(pos + filled)
             offset = (pos + filled) % self.n
             begin = int(self._ends[w - 1]) if w else 0
             take = min(count - filled, int(self._ends[w]) - offset)
-            out[filled : filled + take] = self._window_rows(epoch, w)[offset - begin : offset - begin + take]
+            out.append((epoch, w, self._window_perm(epoch, w)[offset - begin : offset - begin + take]))
             filled += take
         return out
+
+    def indices_at(self, pos: int, count: int) -> np.ndarray:
+        """The sample (row) ids at positions ``[pos, pos + count)``."""
+        parts = []
+        for epoch, w, local in self.segments(pos, count):
+            blocks = self.window_blocks(epoch, w)
+            sizes = self.blocks[blocks]
+            firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # where each block starts in the window
+            at = np.searchsorted(firsts, local, side="right") - 1
+            parts.append(self.starts[blocks][at] + (local - firsts[at]))
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
     def next_indices(self) -> np.ndarray:
         """This rank's sample indices for the next step; advances the shared position."""

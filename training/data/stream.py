@@ -1,9 +1,9 @@
-"""Streamed training data: a split read block by block (``TokenBlocks``: runs of token windows of
-an ``.npy`` shard; ``RowGroupBlocks``: Parquet row groups), never whole. ``StreamLoader`` serves a
-rank's batches in the sampler's global order (training/data/sampler.py) from a bounded buffer: the
-blocks of the current shuffle window, and the next window read ahead by one background thread. A
-rank's memory is about two windows, whatever the split's size.
-Why this and not a library: docs/decisions/0009-streamed-training-data.md.
+"""Streamed training data: a split read block by block (``NpyBlocks``: runs of rows of ``.npy``
+shards, e.g. token windows), never whole. ``StreamLoader`` serves a rank's batches in the
+sampler's global order (training/data/sampler.py) from a bounded buffer: the rows of the current
+shuffle window, and the next window read ahead by one background thread. A rank's memory is two
+windows, whatever the split's size. Why this and not a library:
+docs/decisions/0009-streamed-training-data.md.
 """
 
 from __future__ import annotations
@@ -11,28 +11,17 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
 from training.data.sampler import ShardedSampler
 
-BLOCK_BYTES = 1 << 20  # token windows per block: about 1 MiB of the shard's bytes
-
-
-class Blocks(Protocol):
-    """A split cut into blocks a reader fetches at once."""
-
-    sizes: list[int]  # rows per block
-
-    def read(self, block: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """(features, labels) of one block, in the dtype the model reads."""
-        ...
+BLOCK_BYTES = 1 << 20  # rows per block: about 1 MiB of the shard's bytes
 
 
 class NpyRows:
-    """Rows ``[a, b)`` of a C-ordered ``.npy`` file read with ``os.pread`` (no memory map: the
-    pages a map touches stay in the process's resident set)."""
+    """Rows of a C-ordered ``.npy`` file read with ``os.preadv`` (no memory map: the pages a map
+    touches stay in the process's resident set)."""
 
     def __init__(self, path: Path):
         header = np.load(path, mmap_mode="r")  # shape, dtype and data offset; no page is touched
@@ -42,88 +31,92 @@ class NpyRows:
         self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
         self.fd = os.open(path, os.O_RDONLY)
 
-    def read(self, a: int, b: int) -> np.ndarray:
-        buf = bytearray((b - a) * self.row_bytes)
-        view, at, done = memoryview(buf), self.offset + a * self.row_bytes, 0
-        while done < len(buf):
+    def read_into(self, out: np.ndarray, a: int) -> None:
+        """Rows ``[a, a + len(out))`` into ``out`` (contiguous, this file's dtype)."""
+        view, at, done = memoryview(out.reshape(-1).view(np.uint8)), self.offset + a * self.row_bytes, 0
+        while done < len(view):
             got = os.preadv(self.fd, [view[done:]], at + done)
             if got <= 0:
                 raise OSError(f"{self.path}: short read at row {a}")
             done += got
-        return np.frombuffer(buf, dtype=self.dtype).reshape((b - a, *self.shape[1:]))
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        out = np.empty((b - a, *self.shape[1:]), dtype=self.dtype)
+        self.read_into(out, a)
+        return out
 
     def close(self) -> None:
         os.close(self.fd)
 
 
-class TokenBlocks:
-    """A token split (``{split}.npy``, and ``{split}_labels.npy`` for a classifier) in blocks of
-    about ``BLOCK_BYTES``; features come out int64 as the model reads them."""
+class NpyBlocks:
+    """A split kept as ``{split}.npy`` (and ``{split}_labels.npy`` when it has labels) in blocks of
+    about ``block_bytes``; batches come out as ``dtype`` (int64 for token ids)."""
 
-    def __init__(self, folder: Path, split: str, block_bytes: int = BLOCK_BYTES):
+    def __init__(self, folder: Path, split: str, dtype=np.int64, block_bytes: int = BLOCK_BYTES):
         self.rows = NpyRows(folder / f"{split}.npy")
         labels = folder / f"{split}_labels.npy"
         self.labels = NpyRows(labels) if labels.is_file() else None
+        self.dtype = np.dtype(dtype)
         n = self.rows.shape[0]
-        per = max(1, block_bytes // self.rows.row_bytes)
-        self.per_block = per
-        self.sizes = [min(per, n - a) for a in range(0, n, per)]
+        self.per_block = max(1, block_bytes // self.rows.row_bytes)
+        self.sizes = [min(self.per_block, n - a) for a in range(0, n, self.per_block)]
 
-    def read(self, block: int) -> tuple[np.ndarray, np.ndarray | None]:
-        a = block * self.per_block
-        b = a + self.sizes[block]
-        x = self.rows.read(a, b).astype(np.int64)
-        return x, (self.labels.read(a, b).astype(np.int64) if self.labels is not None else None)
+    def read_window(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The rows of ``blocks`` (ascending) in one array each, in the file's dtype."""
+        total = sum(self.sizes[b] for b in blocks)
+        x = np.empty((total, *self.rows.shape[1:]), dtype=self.rows.dtype)
+        y = np.empty(total, dtype=self.labels.dtype) if self.labels is not None else None
+        at = 0
+        for b in blocks.tolist():
+            k = self.sizes[b]
+            self.rows.read_into(x[at : at + k], b * self.per_block)
+            if y is not None:
+                self.labels.read_into(y[at : at + k], b * self.per_block)
+            at += k
+        return x, y
+
+    def close(self) -> None:
+        self.rows.close()
+        if self.labels is not None:
+            self.labels.close()
 
 
 class StreamLoader:
-    """This rank's batches in the sampler's order, from the blocks of the current shuffle window;
-    the next window is read in the background while this one trains."""
+    """This rank's batches in the sampler's order from the current shuffle window's rows; the next
+    window is read in the background while this one trains."""
 
-    def __init__(self, blocks: Blocks, sampler: ShardedSampler):
+    def __init__(self, blocks: NpyBlocks, sampler: ShardedSampler):
         self.source, self.sampler = blocks, sampler
-        self.starts = sampler.starts
-        self._have: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
-        self._pending: dict[int, Future] = {}
+        self._windows: dict[tuple[int, int], Future] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
-        self.peak_blocks = 0  # the most blocks held at once (the buffer's bound, measured)
+        self.peak_windows = 0  # the most windows held or in flight at once (the buffer's bound)
 
-    def _get(self, block: int) -> tuple[np.ndarray, np.ndarray | None]:
-        if block not in self._have:
-            fut = self._pending.pop(block, None)
-            self._have[block] = fut.result() if fut is not None else self.source.read(block)
-        return self._have[block]
+    def _window(self, key: tuple[int, int]) -> Future:
+        if key not in self._windows:
+            self._windows[key] = self._pool.submit(self.source.read_window, self.sampler.window_blocks(*key))
+        return self._windows[key]
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(features, labels) of this rank's share of the next global batch; advances the sampler."""
         s = self.sampler
-        first = s.pos + s.rank * s.local_batch
-        here = s.window_at(first)
-        after = s.next_window(*here)
-        idx = s.next_indices()
-        block_of = np.searchsorted(self.starts, idx, side="right") - 1
-        needed = np.unique(block_of)
-        keep = set(needed.tolist()) | set(s.window_blocks(*here).tolist()) | set(s.window_blocks(*after).tolist())
-        for b in [b for b in self._have if b not in keep]:
-            del self._have[b]
-        for b in [b for b in self._pending if b not in keep]:
-            self._pending.pop(b).cancel()
-        ahead = [*s.window_blocks(*here).tolist(), *s.window_blocks(*after).tolist()]
-        for b in ahead:  # read ahead, in order: this window's blocks, then the next window's
-            if b not in self._have and b not in self._pending:
-                self._pending[b] = self._pool.submit(self.source.read, b)
-        x0, y0 = self._get(int(needed[0]))
-        x = np.empty((len(idx), *x0.shape[1:]), dtype=x0.dtype)
-        y = np.empty(len(idx), dtype=y0.dtype) if y0 is not None else None
-        for b in needed.tolist():
-            bx, by = self._get(b)
-            sel = block_of == b
-            rows = idx[sel] - self.starts[b]
-            x[sel] = bx[rows]
-            if y is not None:
-                y[sel] = by[rows]
-        self.peak_blocks = max(self.peak_blocks, len(self._have) + len(self._pending))
-        return x, y
+        segments = s.segments(s.pos + s.rank * s.local_batch, s.local_batch)
+        s.pos += s.global_batch
+        keys = [(e, w) for e, w, _ in segments]
+        # Read ahead the window after this one; a batch that spans two windows waits for the next batch.
+        ahead = s.next_window(*keys[0]) if len(keys) == 1 else None
+        for key in [k for k in self._windows if k not in keys and k != ahead]:
+            self._windows.pop(key).cancel()  # a finished window: its rows are dropped
+        parts = [(self._window(key).result(), local) for key, (_, _, local) in zip(keys, segments)]
+        if ahead is not None:
+            self._window(ahead)
+        self.peak_windows = max(self.peak_windows, len(self._windows))
+        xs = [wx[local] for (wx, _), local in parts]
+        x = (xs[0] if len(xs) == 1 else np.concatenate(xs)).astype(self.source.dtype, copy=False)
+        if parts[0][0][1] is None:
+            return x, None
+        ys = [wy[local] for (_, wy), local in parts]
+        return x, (ys[0] if len(ys) == 1 else np.concatenate(ys)).astype(np.int64, copy=False)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

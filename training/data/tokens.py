@@ -27,7 +27,7 @@ import numpy as np
 from training.config.fields import ConfigError
 from training.data.dataset import Dataset, Split
 from training.data.sources import cache_dir
-from training.data.stream import NpyRows, TokenBlocks
+from training.data.stream import NpyBlocks, NpyRows
 from training.data.text import documents
 from training.data.tokenizer import LoadedTokenizer, load_json
 from training.store import StoreError, open_store
@@ -189,9 +189,9 @@ class TokenDataset:
         cut = slice(None, limit)
         return Split(features=windows[cut], labels=labels[cut] if labels is not None else None)
 
-    def blocks(self, name: str) -> TokenBlocks:
+    def blocks(self, name: str) -> NpyBlocks:
         """Split ``name`` to stream block by block (training/data/stream.py)."""
-        return TokenBlocks(self.folder, name)
+        return NpyBlocks(self.folder, name)
 
     @property
     def tokenizer_file(self) -> Path:
