@@ -1,4 +1,4 @@
-"""Streamed training data (training/data/stream.py), two figures in one run:
+"""Data larger than memory, three figures in one run (``--parts`` picks):
 
 1. memory against the data's size: the real trainer (torchrun, 2 gloo ranks, a small decoder) on
    token shards of 1x, 10x and 50x ``--base-mb`` MiB; each rank's peak resident set (the run
@@ -9,8 +9,10 @@
    ``--rows``): samples/s of the training step with its rows streamed from an ``.npy`` shard
    (``StreamLoader``) against the same rows indexed in memory, in the same order (checked),
    rounds alternated.
+3. the data gate's time and peak resident set by the table's size, whole splits and in batches.
 
     .venv/bin/python benchmarks/stream_bench.py [--base-mb 64] [--sizes 1,10,50] [--steps 600] [--rows 1000000]
+        [--gate-rows 200000] [--parts memory,throughput,gate]
 """
 
 from __future__ import annotations
@@ -152,6 +154,45 @@ def throughput(a, tmp: Path) -> float:
     return st / mem
 
 
+def gate_by_size(a, tmp: Path) -> None:
+    """The data gate's time and peak resident set by the data's size: teacher tables of
+    ``--gate-rows`` x 1, 10, 50 train rows (distinct chunks, each its own seed), whole splits and
+    in batches (a pass over row groups), each gate in a fresh process."""
+    import pyarrow.parquet as pq
+
+    from training.data.synthetic import make_teacher_dataset
+
+    base = tmp / "base"
+    make_teacher_dataset(base, n_train=a.gate_rows, n_val=max(1000, a.gate_rows // 10), seed=0)
+    for k in a.sizes:
+        root = tmp / f"gate-{k}x"
+        (root / "train").mkdir(parents=True)
+        shutil.copytree(base / "validation", root / "validation")
+        shutil.copy(base / "dataset.json", root / "dataset.json")
+        writer = None
+        for seed in range(k):  # distinct rows: a fresh draw per chunk
+            chunk = tmp / f"chunk-{seed}"
+            if not chunk.exists():
+                make_teacher_dataset(chunk, n_train=a.gate_rows, n_val=100, seed=seed)
+            table = pq.read_table(chunk / "train" / "part-00000.parquet")
+            writer = writer or pq.ParquetWriter(root / "train" / "part-00000.parquet", table.schema)
+            writer.write_table(table, row_group_size=256_000)
+        writer.close()
+        size = sum(f.stat().st_size for f in root.rglob("*.parquet")) / 2**20
+        for mode in (("whole", "batched") if k <= a.gate_whole_max else ("batched",)):
+            code = ("import json, resource, sys, time; from training.data.gate import validate; t = time.perf_counter(); "
+                    f"r = validate({str(root)!r}, batch_rows={a.gate_batch_rows if mode == 'batched' else None}); "
+                    "print(json.dumps({'s': time.perf_counter() - t, 'rss': resource.getrusage(resource.RUSAGE_SELF)"
+                    ".ru_maxrss * 1024, 'rows': r['rows'], 'batches': r.get('batched', {}).get('batches')}))")
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+            if proc.returncode:
+                sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"gate {k:>3}x  {r['rows']['train']:>9} train rows, {size:6.0f} MiB Parquet  {mode:>7}: "
+                  f"{r['s']:6.1f} s, peak RSS {r['rss'] / 2**20:5.0f} MiB  batches {r['batches']}", flush=True)
+        shutil.rmtree(root)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-mb", type=int, default=64)
@@ -162,13 +203,19 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--timed-steps", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--parts", default="memory,throughput")
+    ap.add_argument("--gate-rows", type=int, default=200_000, help="train rows of the gate's 1x table")
+    ap.add_argument("--gate-batch-rows", type=int, default=1_000_000)
+    ap.add_argument("--gate-whole-max", type=int, default=10, help="largest size also gated whole")
+    ap.add_argument("--parts", default="memory,throughput,gate")
     a = ap.parse_args()
     print(f"[load {os.getloadavg()[0]:.2f}, {os.cpu_count()} cpus]")
     with tempfile.TemporaryDirectory(prefix="stream-bench-") as tmp:
         if "throughput" in a.parts:
             (Path(tmp) / "t").mkdir()
             throughput(a, Path(tmp) / "t")
+        if "gate" in a.parts:
+            (Path(tmp) / "g").mkdir()
+            gate_by_size(a, Path(tmp) / "g")
         if "memory" in a.parts:
             (Path(tmp) / "m").mkdir()
             memory_by_size(a, Path(tmp) / "m")

@@ -8,6 +8,9 @@ and returns the verdict: one line per failed expectation with what was observed,
 and fingerprint, and ``data_schema`` (what the data is); GX Data Docs with ``docs_dir``. Any failure,
 a dataset that cannot be opened or described included, raises ``DataValidationError`` (``.report``).
 ``gate_cached`` reuses a passed verdict for the same bytes, options, schema, gate code and GX version.
+Data larger than memory (over ``BATCH_BYTES`` of Parquet, its features named in ``dataset.json``) is
+checked in one pass over its row groups (``_batched``, training/data/batches.py). One module: the
+whole-split and the batched pass share the verdict's wording (``_failure``) and the GX context.
 Why: docs/decisions/0002-vectorized-gate-checks.md, docs/decisions/0003-keep-passed-gate-verdicts.md.
 """
 
@@ -400,12 +403,13 @@ def gate_key(ds: Dataset, min_rows: int | None = None) -> str:
     import json
     from importlib.metadata import version
 
-    from training.data import expectations, options, schema, sources, split, text
+    from training.data import batches, expectations, options, schema, sources, split, text
 
     h = hashlib.sha256()
     for part in (ds.fingerprint, json.dumps(ds.layout.meta, sort_keys=True, default=str),
                  json.dumps(asdict(ds.options), sort_keys=True, default=str),
-                 *(sha256_file(Path(m.__file__)) for m in (expectations, options, schema, sources, split, text)), sha256_file(Path(__file__)),
+                 *(sha256_file(Path(m.__file__)) for m in (batches, expectations, options, schema, sources, split, text)),
+                 sha256_file(Path(__file__)),
                  version("great_expectations"), str(min_rows)):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
