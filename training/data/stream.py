@@ -29,24 +29,21 @@ class NpyRows:
         self.path, self.shape, self.dtype, self.offset = path, header.shape, header.dtype, header.offset
         del header
         self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
-        self.fd = os.open(path, os.O_RDONLY)
 
     def read_into(self, out: np.ndarray, a: int) -> None:
         """Rows ``[a, a + len(out))`` into ``out`` (contiguous, this file's dtype)."""
         view, at, done = memoryview(out.reshape(-1).view(np.uint8)), self.offset + a * self.row_bytes, 0
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done:]], at + done)
-            if got <= 0:
-                raise OSError(f"{self.path}: short read at row {a}")
-            done += got
+        with open(self.path, "rb", buffering=0) as f:  # opened per read: nothing held between windows
+            while done < len(view):
+                got = os.preadv(f.fileno(), [view[done:]], at + done)
+                if got <= 0:
+                    raise OSError(f"{self.path}: short read at row {a}")
+                done += got
 
     def read(self, a: int, b: int) -> np.ndarray:
         out = np.empty((b - a, *self.shape[1:]), dtype=self.dtype)
         self.read_into(out, a)
         return out
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class NpyBlocks:
@@ -75,11 +72,6 @@ class NpyBlocks:
                 self.labels.read_into(y[at : at + k], b * self.per_block)
             at += k
         return x, y
-
-    def close(self) -> None:
-        self.rows.close()
-        if self.labels is not None:
-            self.labels.close()
 
 
 class StreamLoader:
