@@ -1,6 +1,7 @@
 """The data gate: Great Expectations 1.x suites, one per split, against the dataset's schema.
 
     python -m training validate --dataset-uri var/data/teacher [--label-column y] [--min-rows N] [--docs-dir DIR]
+        [--batch-rows N]
 
 ``gate`` opens the dataset (training/data/sources.py), takes its schema from ``dataset.json`` or
 infers it from train (training/data/schema.py), runs each split's suite (training/data/expectations.py)
