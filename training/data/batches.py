@@ -1,5 +1,5 @@
-"""A split read as a pass over its Parquet row groups (``split_batches``: batches of at most
-``rows`` rows; a one-table layout's rows filtered to the split by training/data/split.py, which
+"""A split read as a pass over its Parquet row groups (``split_batches``: batches of ``rows`` rows,
+the last fewer; a one-table layout's rows filtered to the split by training/data/split.py, which
 decides per row), and what the data gate needs of the whole split from such a pass (``Totals``:
 rows, row hashes for duplicates, label counts, a merged column profile). The gate's batched
 mode (training/data/gate.py) checks data larger than memory this way."""
@@ -23,14 +23,26 @@ def split_batches(layout: Layout, split: str, options: DataOptions, rows: int) -
     import pyarrow.parquet as pq
 
     one_table = TABLE in layout.files
+
+    def cut(table):
+        if one_table:
+            val = validation_rows(table, options.validation_fraction, options.split_seed)
+            table = table.filter(val if split == "validation" else ~val)
+        return table
+
     for f in layout.files[TABLE if one_table else split]:
         pf = pq.ParquetFile(f.local)
-        for batch in pf.iter_batches(batch_size=rows):
-            table = pa.Table.from_batches([batch])
-            if one_table:
-                val = validation_rows(table, options.validation_fraction, options.split_seed)
-                table = table.filter(val if split == "validation" else ~val)
-            yield table
+        pending = None  # rows read and not yet handed out: fewer than ``rows`` plus one row group
+        # read_row_group, not iter_batches: pyarrow's batch reader kept every batch's buffers
+        # allocated until the file was done (measured: 260 MiB after 10 batches of 250,000 rows).
+        for i in range(pf.metadata.num_row_groups):
+            group = pf.read_row_group(i)
+            pending = group if pending is None else pa.concat_tables([pending, group])
+            while pending.num_rows >= rows:
+                yield cut(pending.slice(0, rows).combine_chunks())
+                pending = pending.slice(rows)
+        if pending is not None and pending.num_rows:
+            yield cut(pending.combine_chunks())
 
 
 @dataclass
