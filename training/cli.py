@@ -50,7 +50,8 @@ def _cmd_validate(a: argparse.Namespace) -> int:
     from training.data.gate import DataValidationError, validate
 
     try:
-        report = validate(a.dataset_uri, options=_data_options(a), min_rows=a.min_rows, docs_dir=a.docs_dir)
+        report = validate(a.dataset_uri, options=_data_options(a), min_rows=a.min_rows, docs_dir=a.docs_dir,
+                          batch_rows=a.batch_rows)
     except DataValidationError as e:
         print(str(e), file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -209,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-rows", type=int, default=None,
                    help="fewest rows a split may have (default: the dataset schema's min_rows, 100 unless set)")
     s.add_argument("--docs-dir", default=None, help="also build Great Expectations Data Docs (HTML) in this folder")
+    s.add_argument("--batch-rows", type=int, default=None,
+                   help="check in one pass over the row groups, this many rows at a time (a table whose dataset.json "
+                   "names its features; default: when its Parquet files exceed 512 MiB)")
     s.set_defaults(fn=_cmd_validate)
 
     s = sub.add_parser("tokenize", help="make a text dataset's token windows for training (prints token_shards)",

@@ -30,7 +30,8 @@ from training.config.train_config import TrainConfig
 from training.data.dataset import Dataset, Split, open_dataset
 from training.data.options import DataOptions
 from training.data.sampler import ShardedSampler
-from training.data.tokens import open_shards
+from training.data.stream import NpyBlocks, StreamLoader
+from training.data.tokens import TokenDataset, open_shards
 from training.distributed import faults, parallel, precision
 from training.distributed.launch import EXIT_PREEMPTED
 from training.distributed.resilience import Phase, Preempted, Preemption, RankRecord, ReplicaCheck
@@ -70,12 +71,14 @@ def _seed_everything(seed: int) -> None:
 
 @dataclass
 class Prepared:
-    """What a run trains on, checked: the opened dataset, the model's spec and the train split."""
+    """What a run trains on, checked: the opened dataset, the model's spec and the train split
+    (in memory), or, for token shards, its first rows and its blocks to stream."""
 
     dataset: Dataset
     spec: ModelSpec
     train: Split
     memory: Estimate | None = None  # this rank's estimated peak (the memory preflight)
+    blocks: NpyBlocks | None = None
 
 
 def prepare(cfg: TrainConfig, dataset: Dataset | None = None,
@@ -96,12 +99,14 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None,
         dataset = open_dataset(cfg.dataset_uri, DataOptions.of(cfg), expect_fingerprint=cfg.dataset_fingerprint or None)
     meta = dataset.meta
     cfg.check_dataset(meta)
-    train = dataset.split("train")
+    # Token shards stream (training/data/stream.py): only the rows the model check runs on are read here.
+    blocks = dataset.blocks("train") if isinstance(dataset, TokenDataset) else None
+    train = dataset.split("train", limit=2) if blocks is not None else dataset.split("train")
     spec = ModelSpec.for_data(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads,
                               dropout=cfg.dropout, model_args=cfg.model_args, train=train)
     memory = memory_check(spec, train) if memory_check is not None else None
     check_model(spec, train.features[:2], strategy=cfg.strategy)
-    return Prepared(dataset=dataset, spec=spec, train=train, memory=memory)
+    return Prepared(dataset=dataset, spec=spec, train=train, memory=memory, blocks=blocks)
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
@@ -153,11 +158,14 @@ class Trainer:
                                            fused=True if cfg.strategy == "ddp" else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.scaler = precision.grad_scaler(cfg.precision, info.device)
-        self.sampler = ShardedSampler(len(train.features), global_batch=cfg.batch_size, rank=info.rank,
-                                      world_size=info.world_size, seed=cfg.seed)
+        blocks = prepared.blocks
+        self.sampler = ShardedSampler(sum(blocks.sizes) if blocks else len(train.features), global_batch=cfg.batch_size,
+                                      rank=info.rank, world_size=info.world_size, seed=cfg.seed,
+                                      blocks=blocks.sizes if blocks else None, window=cfg.shuffle_window)
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.sampler, self.scaler)
-        self.features = torch.from_numpy(train.features)
-        self.labels = torch.from_numpy(train.labels) if train.labels is not None else None
+        self.loader = StreamLoader(blocks, self.sampler) if blocks else None
+        self.features = torch.from_numpy(train.features) if blocks is None else None
+        self.labels = torch.from_numpy(train.labels) if train.labels is not None and blocks is None else None
         self.micro_batch = cfg.batch_size // info.world_size // cfg.grad_accum
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -210,6 +218,8 @@ class Trainer:
                     final_uri = self.checkpointer.finalize(self.state, self.model, self.spec, self.tokenizer_file)
         finally:
             self.recorder.close()
+            if self.loader is not None:
+                self.loader.close()
         return self._summary(final_uri, resumed_from, wall_start)
 
     def _loop(self) -> None:
@@ -232,9 +242,7 @@ class Trainer:
         cfg, info, phase, spec = self.cfg, self.info, self.phase, self.spec
         t0 = time.perf_counter()
         with phase("data"):
-            idx = torch.from_numpy(self.sampler.next_indices())
-            x_all = self.features[idx].to(info.device, non_blocking=True)
-            y_all = self.labels[idx].to(info.device, non_blocking=True) if self.labels is not None else None
+            x_all, y_all = self._next_batch()
         data_s = time.perf_counter() - t0
 
         self.optimizer.zero_grad(set_to_none=True)
@@ -269,6 +277,17 @@ class Trainer:
         comm = self.comm_timer.pop_step()
         return StepResult(loss=loss_sum, grad_norm=grad_norm, skipped=skipped, seconds=time.perf_counter() - t0,
                           data_s=data_s, exposed=exposed, comm=comm)
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's rows of the next global batch: streamed, or indexed in memory."""
+        if self.loader is not None:
+            x, y = self.loader.next_batch()
+            x_all, y_all = torch.from_numpy(x), (torch.from_numpy(y) if y is not None else None)
+        else:
+            idx = torch.from_numpy(self.sampler.next_indices())
+            x_all, y_all = self.features[idx], (self.labels[idx] if self.labels is not None else None)
+        device = self.info.device
+        return x_all.to(device, non_blocking=True), (y_all.to(device, non_blocking=True) if y_all is not None else None)
 
     def _summary(self, final_uri: str, resumed_from: str | None, wall_start: float) -> dict[str, Any]:
         """Collective. The run summary every rank returns; rank 0 also tags the MLflow run with the

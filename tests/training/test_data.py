@@ -58,3 +58,65 @@ def test_generated_dataset_matches_its_metadata(tmp_path):
     # The share of labels that agree with the noise-free teacher is what the metadata promises.
     agree = (teacher_labels(train.features.astype(np.float64), 3, 3) == train.labels).mean()
     assert agree == pytest.approx(meta["bayes_accuracy"], abs=0.05)
+
+
+def _blocks(seed=0, count=40):
+    return np.random.default_rng(seed).integers(1, 30, size=count).tolist()
+
+
+def test_block_order_covers_every_sample_once_per_epoch_and_resumes_exactly():
+    blocks = _blocks()
+    n = sum(blocks)
+    s = ShardedSampler(n, global_batch=16, rank=0, world_size=1, seed=3, blocks=blocks, window=4)
+    order = s.indices_at(0, 3 * n)
+    for e in range(3):
+        assert sorted(order[e * n : (e + 1) * n].tolist()) == list(range(n))
+    assert not np.array_equal(order[:n], order[n : 2 * n])
+    for pos in (0, 5, n - 3, n + 17, 2 * n + 1):  # a fresh sampler at any position: the same order
+        fresh = ShardedSampler(n, global_batch=16, rank=0, world_size=1, seed=3, blocks=blocks, window=4)
+        np.testing.assert_array_equal(fresh.indices_at(pos, 40), np.concatenate([order, order])[pos : pos + 40])
+
+
+def test_block_order_is_local_to_a_window_of_blocks():
+    """Positions of one shuffle window draw only on that window's blocks: what bounds a reader."""
+    blocks = [10] * 20
+    s = ShardedSampler(200, global_batch=10, rank=0, world_size=1, seed=1, blocks=blocks, window=4)
+    for w in range(5):
+        rows = s.indices_at(w * 40, 40)
+        assert set((rows // 10).tolist()) == set(s.window_blocks(0, w).tolist())
+
+
+def test_one_window_keeps_the_full_permutation():
+    s = ShardedSampler(97, global_batch=1, rank=0, world_size=1, seed=7, blocks=[50, 47], window=2)
+    np.testing.assert_array_equal(s.indices_at(0, 97), np.random.default_rng([7, 0]).permutation(97))
+
+
+def test_block_order_after_a_shrink_is_the_same_global_order():
+    blocks = _blocks(1)
+    n = sum(blocks)
+
+    def global_order(world, start, steps):
+        ss = [ShardedSampler(n, global_batch=24, rank=r, world_size=world, seed=9, pos=start, blocks=blocks, window=3)
+              for r in range(world)]
+        return np.concatenate([np.concatenate([s.next_indices() for s in ss]) for _ in range(steps)])
+
+    four = global_order(4, 0, 30)
+    np.testing.assert_array_equal(np.concatenate([four[: 24 * 10], global_order(2, 24 * 10, 20)]), four)
+
+
+def test_streamed_batches_are_the_rows_the_sampler_names(tmp_path):
+    from training.data.stream import NpyBlocks, StreamLoader
+
+    rows = np.random.default_rng(0).integers(0, 60_000, size=(3000, 17)).astype(np.uint16)
+    np.save(tmp_path / "train.npy", rows)
+    blocks = NpyBlocks(tmp_path, "train", block_bytes=17 * 2 * 64)
+    assert sum(blocks.sizes) == 3000 and len(blocks.sizes) == 47
+    for rank in range(2):
+        make = lambda: ShardedSampler(3000, global_batch=32, rank=rank, world_size=2, seed=5, blocks=blocks.sizes, window=4)
+        loader, ref = StreamLoader(blocks, make()), make()
+        for _ in range(250):  # past an epoch
+            x, y = loader.next_batch()
+            np.testing.assert_array_equal(x, rows[ref.next_indices()].astype(np.int64))
+            assert y is None and x.dtype == np.int64
+        assert loader.peak_windows == 2, "the buffer holds this window and the next"
+        loader.close()

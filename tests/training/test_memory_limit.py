@@ -1,6 +1,6 @@
 """The memory preflight and estimate against real runs: ``torchrun`` launched into a cgroup v1
 memory group whose ``memory.limit_in_bytes`` is set as root, the way a container runtime sets a
-pod's memory limit (tests/cgroup.py), so the ranks read the limit from their own cgroup. Then:
+pod's memory limit (tests/memlimit.py), so the ranks read the limit from their own cgroup. Then:
 the estimate lies within ±25% of each rank's measured peak (its maximum resident set) across
 strategies, world sizes and activation checkpointing; under one limit, activation checkpointing
 ``full`` trains at a sequence length that ``none`` is refused at (exit 2, its estimate over the
@@ -16,7 +16,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from tests.cgroup import MemoryLimit
+from tests import memlimit
 from training.config.train_config import TrainConfig
 from training.data.synthetic import make_markov_dataset
 from training.distributed.launch import torchrun_command
@@ -39,7 +39,7 @@ def _sets(data, out, **kw) -> list[str]:
     return [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
 
 
-def _train(nproc: int, sets: list[str], tmp_path, *, limit: MemoryLimit | None = None, timeout: float = 600):
+def _train(nproc: int, sets: list[str], tmp_path, *, limit: memlimit.MemoryGroup | None = None, timeout: float = 600):
     cmd = torchrun_command(sets, nproc_per_node=nproc, master_port=free_port())
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(tmp_path),
                           preexec_fn=limit.enter if limit else None)
@@ -89,13 +89,13 @@ def test_activation_checkpointing_full_trains_where_none_is_refused(tmp_path, mo
     # The limit: the agent, then a rank's budget halfway between the two estimates.
     limit = memory.AGENT_CPU + (64 << 20) + (none.total + full.total) // 2
     sets = dict(hidden=128, depth=6, n_heads=4, batch_size=batch)
-    with MemoryLimit(limit) as cg:
+    with memlimit.MemoryGroup("dtp-preflight1", limit) as cg:
         refused = _train(1, _sets(data, tmp_path / "none", **sets, activation_checkpointing="none"), tmp_path, limit=cg)
     out = refused.stdout + refused.stderr
     assert refused.returncode != 0 and "exitcode  : 2" in out, out[-3000:]
     assert f"estimated peak memory {memory.gib(none.total)}" in out and "activation_checkpointing=full (estimate" in out
     assert "the memory limit of cgroup v1" in out and not (tmp_path / "none" / "memory.json").exists()
-    with MemoryLimit(limit) as cg:
+    with memlimit.MemoryGroup("dtp-preflight2", limit) as cg:
         trained = _train(1, _sets(data, tmp_path / "full", **sets, activation_checkpointing="full"), tmp_path, limit=cg)
         kills = cg.oom_kills
     assert trained.returncode == 0 and kills == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
@@ -117,7 +117,7 @@ def test_a_decoder_whose_training_state_exceeds_the_limit_is_refused_under_ddp(t
     sets = _sets(data, tmp_path / "out", hidden=hidden, depth=depth, n_heads=8, batch_size=2, strategy="ddp")
     port = free_port()
     cmd = torchrun_command(sets, nproc_per_node=1, nnodes="2", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="ddp-refused")
-    with MemoryLimit(limit) as node0, MemoryLimit(limit) as node1:
+    with memlimit.MemoryGroup("dtp-node0", limit) as node0, memlimit.MemoryGroup("dtp-node1", limit) as node1:
         agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(tmp_path),
                                    preexec_fn=node.enter) for node in (node0, node1)]
         outs = [a.communicate(timeout=300)[0] for a in agents]

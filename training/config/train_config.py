@@ -163,6 +163,11 @@ class TrainConfig:
     preempt_grace_s: int = knob(
         60, "after SIGTERM, seconds a rank may take to checkpoint and exit before it exits anyway",
         title="Preemption grace (s)", minimum=1, maximum=3600, section=ADVANCED)
+    shuffle_window: int = knob(
+        16, "blocks of token windows (about 1 MiB of shard each) shuffled together: a rank holds this window and reads "
+        "the next ahead, so its memory stays about 2 x shuffle_window MiB whatever the data's size; the blocks are "
+        "permuted each epoch, the windows in a block window shuffled (larger: closer to a full shuffle)",
+        title="Shuffle window (blocks)", minimum=1, maximum=65_536, section=ADVANCED)
     split_seed: int = knob(0, "seed of the one-table split (validation_fraction); the same seed keeps the same rows "
                            "in validation", title="Split seed", minimum=0, section=ADVANCED)
 

@@ -1,6 +1,7 @@
 """The data gate: Great Expectations 1.x suites, one per split, against the dataset's schema.
 
     python -m training validate --dataset-uri var/data/teacher [--label-column y] [--min-rows N] [--docs-dir DIR]
+        [--batch-rows N]
 
 ``gate`` opens the dataset (training/data/sources.py), takes its schema from ``dataset.json`` or
 infers it from train (training/data/schema.py), runs each split's suite (training/data/expectations.py)
@@ -8,6 +9,9 @@ and returns the verdict: one line per failed expectation with what was observed,
 and fingerprint, and ``data_schema`` (what the data is); GX Data Docs with ``docs_dir``. Any failure,
 a dataset that cannot be opened or described included, raises ``DataValidationError`` (``.report``).
 ``gate_cached`` reuses a passed verdict for the same bytes, options, schema, gate code and GX version.
+Data larger than memory (over ``BATCH_BYTES`` of Parquet, its features named in ``dataset.json``) is
+checked in one pass over its row groups (``_batched``, training/data/batches.py). One module: the
+whole-split and the batched pass share the verdict's wording (``_failure``) and the GX context.
 Why: docs/decisions/0002-vectorized-gate-checks.md, docs/decisions/0003-keep-passed-gate-verdicts.md.
 """
 
@@ -21,6 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from training.data.batches import Totals, split_batches
 from training.data.dataset import Dataset
 from training.data.expectations import build_suite
 from training.data.text import text_checks
@@ -150,7 +155,8 @@ def validate(dataset: str | Path | Dataset, **kwargs: Any) -> dict[str, Any]:
 
 
 def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, env: dict[str, str] | None = None,
-         min_rows: int | None = None, docs_dir: str | Path | None = None) -> tuple[dict[str, Any], Dataset]:
+         min_rows: int | None = None, docs_dir: str | Path | None = None,
+         batch_rows: int | None = None) -> tuple[dict[str, Any], Dataset]:
     """Run the suite on every split. Returns the verdict and the opened dataset (its splits read
     once, for the caller to go on with); raises DataValidationError on failure.
 
@@ -160,6 +166,10 @@ def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, e
     ``failures`` (readable lines), ``failed_expectations`` (split, expectation, column, observed),
     ``rows`` per split, ``files`` (path, size, sha256), ``fingerprint``, ``schema`` (what was
     checked), ``data_schema`` (what the data is), ``data_docs``.
+
+    Data over ``BATCH_BYTES`` of Parquet (or any, with ``batch_rows``) whose ``dataset.json``
+    declares its features is checked in one pass over its row groups instead of whole splits
+    (``_batched``); the verdict then carries ``batched`` (rows per batch, batches, seconds).
     """
     uri = dataset.uri if isinstance(dataset, Dataset) else str(dataset)
     report: dict[str, Any] = {"dataset_uri": uri, "success": False, "failures": [], "failed_expectations": [],
@@ -169,11 +179,12 @@ def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, e
         report["failures"].append(line)
         report["failed_expectations"].append({"line": line, **extra})
 
-    ds, tables, schema = _open(dataset, options, env, report, fail)
+    ds, tables, schema = _open(dataset, options, env, report, fail, batch_rows)
     if min_rows is not None:
         schema.min_rows = int(min_rows)
     report["schema"] = {"kind": schema.kind, **schema.to_dict()}
-    report["data_schema"] = _data_schema(ds, schema, report)
+    if tables is not None:
+        report["data_schema"] = _data_schema(ds, schema, report)
 
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
@@ -187,6 +198,10 @@ def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, e
             "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": str(docs_dir)}})
     source = context.data_sources.add_pandas("pandas")
     text_lines: list[str] = []
+    if tables is None:  # data larger than memory: one pass over the row groups
+        train_totals = _batched(ds, schema, _batch_rows(ds, batch_rows), context, source, report, fail)
+        report["data_schema"] = _data_schema(ds, schema, report, train_totals)
+        tables = {}
     if schema.kind == "text":  # what a suite of column expectations cannot say about documents
         text_lines, report["text"], tables = text_checks(tables, ds.meta["text_column"])
     for split, table in tables.items():
@@ -215,9 +230,11 @@ def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, e
     raise DataValidationError(report)
 
 
-def _open(dataset, options, env, report: dict[str, Any], fail) -> tuple[Dataset, dict[str, Any], DatasetSchema]:
-    """The dataset, its readable splits (Arrow tables) and the schema to check them against; every
-    problem that stops the gate before GX is a failure line (then DataValidationError)."""
+def _open(dataset, options, env, report: dict[str, Any], fail,
+          batch_rows: int | None = None) -> tuple[Dataset, dict[str, Any] | None, DatasetSchema]:
+    """The dataset, its readable splits (Arrow tables; None when it is to be checked in batches)
+    and the schema to check them against; every problem that stops the gate before GX is a
+    failure line (then DataValidationError)."""
     def stop() -> DataValidationError:
         return DataValidationError(report)
 
@@ -238,6 +255,8 @@ def _open(dataset, options, env, report: dict[str, Any], fail) -> tuple[Dataset,
         raise stop()
     report["files"] = [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in ds.layout.all_files]
     report["fingerprint"] = ds.fingerprint
+    if declared is not None and _batch_rows(ds, batch_rows):
+        return ds, None, declared
     tables: dict[str, Any] = {}
     for split in SPLITS:
         try:
@@ -258,9 +277,101 @@ def _open(dataset, options, env, report: dict[str, Any], fail) -> tuple[Dataset,
     return ds, tables, schema
 
 
-def _data_schema(ds: Dataset, schema: DatasetSchema, report: dict[str, Any]) -> dict[str, Any]:
+# --------------------------------------------------------------------------- data larger than memory
+
+BATCH_BYTES = 512 << 20  # Parquet bytes from which a dataset is checked in batches
+BATCH_ROWS = 1_000_000
+# Expectations on the whole split: checked on the pass's totals, not per batch.
+_WHOLE = {"expect_table_row_count_to_be_between", "expect_rows_to_be_unique", "expect_column_values_to_be_unique",
+          "expect_column_class_fractions_to_be_between"}
+
+
+def _batch_rows(ds: Dataset, batch_rows: int | None) -> int | None:
+    """Rows per batch when ``ds`` is to be checked in batches: tables whose dataset.json names the
+    features (describing them needs no whole split), over ``BATCH_BYTES`` or asked for."""
+    meta = ds.layout.meta or {}
+    if ds.options.text_column or meta.get("kind") == "text" or "features" not in meta:
+        return None
+    if batch_rows:
+        return int(batch_rows)
+    return BATCH_ROWS if sum(f.size for f in ds.layout.all_files) > BATCH_BYTES else None
+
+
+def _batched(ds: Dataset, schema: DatasetSchema, rows: int, context, source, report: dict[str, Any], fail) -> Totals:
+    """Each split's suite on every batch of ``rows`` rows (its per-row and per-column
+    expectations), then the whole-split ones (row count, duplicates, class shares) on the
+    pass's totals. A failure is reported once per expectation and column, with the first batch
+    that failed it and how many did. Returns train's totals."""
+    import time
+
+    import great_expectations as gx
+
+    t0 = time.perf_counter()
+    hashed = [c.name for c in schema.columns]
+    train: Totals | None = None
+    report["batched"] = {"rows_per_batch": rows, "batches": {}}
+    for split in SPLITS:
+        totals = Totals(hashed=hashed, label=schema.label if schema.class_fraction else None)
+        vd, failed, start, count = None, {}, 0, 0
+        try:
+            for table in split_batches(ds.layout, split, ds.options, rows):
+                df = table.to_pandas(split_blocks=True)
+                totals.add(table, df)
+                if vd is None:
+                    whole = build_suite(schema, name=f"{schema.kind}_{split}", dtypes=dict(df.dtypes), rows=len(df))
+                    suite = context.suites.add(gx.ExpectationSuite(name=whole.name, expectations=[
+                        e for e in whole.expectations if e.expectation_type not in _WHOLE]))
+                    batch_def = source.add_dataframe_asset(name=split).add_batch_definition_whole_dataframe("all")
+                    vd = context.validation_definitions.add(gx.ValidationDefinition(name=split, data=batch_def, suite=suite))
+                for r in vd.run(batch_parameters={"dataframe": df}).results:
+                    if not r.success:
+                        f = _failure(split, r, schema)
+                        key = (f["expectation"], f["column"])
+                        if key not in failed:
+                            failed[key] = [f, 0, start, start + len(df)]
+                        failed[key][1] += 1
+                start += len(df)
+                count += 1
+                del df
+        except Exception as e:  # corrupt / truncated file: pyarrow raises several types
+            fail(f"{split}: cannot read Parquet ({type(e).__name__}: {_one_line(str(e))})", split=split)
+        report["rows"][split] = totals.rows
+        report["batched"]["batches"][split] = count
+        for f, times, a, b in failed.values():
+            line = f.pop("line") + f" (first in rows {a}-{b - 1}; {times} of {count} batches)"
+            fail(line, **f)
+        for line in _whole_split_failures(split, schema, totals):
+            fail(line, split=split)
+        train = totals if split == "train" else train
+    report["batched"]["seconds"] = round(time.perf_counter() - t0, 3)
+    return train
+
+
+def _whole_split_failures(split: str, schema: DatasetSchema, t: Totals) -> list[str]:
+    """The whole-split expectations on a batched pass's totals, worded as ``_failure`` words them."""
+    out = []
+    if t.rows < schema.min_rows:
+        out.append(f"{split}: expect_table_row_count_to_be_between: observed {t.rows}, allowed "
+                   f"{{'min_value': {schema.min_rows}}}")
+    dup = t.duplicated()
+    if t.rows and dup / t.rows > schema.max_duplicate_fraction:
+        out.append(f"{split}: expect_rows_to_be_unique(all columns): {dup} of {t.rows} rows are duplicated "
+                   f"({100 * dup / t.rows:.2f}%, allowed {100 * schema.max_duplicate_fraction:.2f}%)")
+    labels = schema.label_values()
+    if schema.class_fraction and labels and t.label:
+        lo, hi = schema.class_fraction
+        shares = {str(v): t.labels.get(v, 0) / max(1, t.rows) for v in labels}
+        off = {k: round(v, 4) for k, v in shares.items() if not lo <= v <= hi}
+        if off or not t.rows:
+            out.append(f"{split}: expect_column_class_fractions_to_be_between({t.label}): class shares {off} "
+                       f"outside [{lo}, {hi}]")
+    return out
+
+
+def _data_schema(ds: Dataset, schema: DatasetSchema, report: dict[str, Any], totals: Totals | None = None) -> dict[str, Any]:
     """What the data is, for the run (``data_schema.json``): where the rows came from, the
-    description (label, features, task and why), train's columns, the classes and their shares."""
+    description (label, features, task and why), train's columns, the classes and their shares
+    (from ``totals``, train's batched pass, when the splits were not read whole)."""
     out: dict[str, Any] = {"fingerprint": ds.fingerprint, **ds.layout.summary(ds.options), "rows": report["rows"]}
     try:
         d = ds.meta
@@ -271,8 +382,13 @@ def _data_schema(ds: Dataset, schema: DatasetSchema, report: dict[str, Any]) -> 
                                                 "n_classes", "classes", "normalize", "ignored_columns") if k in d}
         if d.get("label") and d.get("task") == "classification":
             classes = d.get("classes") or list(range(int(d["n_classes"])))
-            out["classes"] = class_shares(ds.table("train").column(d["label"]), classes)
-    out["train_columns"] = ds.train_profile()
+            if totals is None:
+                out["classes"] = class_shares(ds.table("train").column(d["label"]), classes)
+            else:
+                total = max(1, totals.rows)
+                out["classes"] = [{"class": c, "rows": totals.labels.get(c, 0),
+                                   "share": round(totals.labels.get(c, 0) / total, 6)} for c in classes]
+    out["train_columns"] = ds.train_profile() if totals is None else totals.profile()
     out["schema_source"] = "dataset.json" if ds.declared_schema() is not None else "inferred from the train split"
     out["schema"] = schema.to_dict()
     return out
@@ -288,12 +404,13 @@ def gate_key(ds: Dataset, min_rows: int | None = None) -> str:
     import json
     from importlib.metadata import version
 
-    from training.data import expectations, options, schema, sources, split, text
+    from training.data import batches, expectations, options, schema, sources, split, text
 
     h = hashlib.sha256()
     for part in (ds.fingerprint, json.dumps(ds.layout.meta, sort_keys=True, default=str),
                  json.dumps(asdict(ds.options), sort_keys=True, default=str),
-                 *(sha256_file(Path(m.__file__)) for m in (expectations, options, schema, sources, split, text)), sha256_file(Path(__file__)),
+                 *(sha256_file(Path(m.__file__)) for m in (batches, expectations, options, schema, sources, split, text)),
+                 sha256_file(Path(__file__)),
                  version("great_expectations"), str(min_rows)):
         h.update(part.encode() + b"\0")
     return h.hexdigest()

@@ -202,3 +202,37 @@ def read_meta(root: str | Path) -> dict[str, Any]:
             f"{path} not found: dataset_uri must be a folder written by `python -m training make-data`"
         )
     return json.loads(path.read_text())
+
+
+def write_repeated_npy(path: str | Path, rows: np.ndarray, nbytes: int) -> int:
+    """``rows`` repeated into an ``.npy`` file of at least ``nbytes`` (data larger than memory,
+    written in 64 MiB chunks, never held whole); returns its rows."""
+    chunk = np.tile(rows, (max(1, (64 << 20) // rows.nbytes), *([1] * (rows.ndim - 1))))
+    repeats = -(-nbytes // chunk.nbytes)
+    n = repeats * len(chunk)
+    header = {"descr": np.lib.format.dtype_to_descr(chunk.dtype), "fortran_order": False, "shape": (n, *rows.shape[1:])}
+    data = chunk.tobytes()
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        for _ in range(repeats):
+            f.write(data)
+    return n
+
+
+def grow_token_shards(folder: str | Path, nbytes: int) -> int:
+    """Token shards (training/data/tokens.py) whose ``train.npy`` repeats its windows to at least
+    ``nbytes``, their manifest and sizes updated to match; returns the train windows."""
+    from training.data.tokens import MANIFEST, STATS
+    from training.util import sha256_file
+
+    folder = Path(folder)
+    n = write_repeated_npy(folder / "train.npy", np.load(folder / "train.npy"), nbytes)
+    stats = json.loads((folder / STATS).read_text())
+    stats["splits"]["train"]["windows"] = n
+    (folder / STATS).write_text(json.dumps(stats, indent=2) + "\n")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    for entry in manifest["files"]:
+        path = folder / entry["path"]
+        entry.update(size=path.stat().st_size, sha256=sha256_file(path))
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return n

@@ -27,6 +27,7 @@ import numpy as np
 from training.config.fields import ConfigError
 from training.data.dataset import Dataset, Split
 from training.data.sources import cache_dir
+from training.data.stream import NpyBlocks, NpyRows
 from training.data.text import documents
 from training.data.tokenizer import LoadedTokenizer, load_json
 from training.store import StoreError, open_store
@@ -170,9 +171,12 @@ class TokenDataset:
         self._splits: dict[str, np.ndarray] = {}
 
     def split(self, name: str, spec: Any = None, *, limit: int | None = None) -> Split:
-        if name not in self._splits:
-            self._splits[name] = np.load(self.folder / f"{name}.npy").astype(np.int64)
-        windows = self._splits[name]
+        if limit is not None and name not in self._splits:  # the first rows only, not the whole shard
+            windows = NpyRows(self.folder / f"{name}.npy").read(0, limit).astype(np.int64)
+        else:
+            if name not in self._splits:
+                self._splits[name] = np.load(self.folder / f"{name}.npy").astype(np.int64)
+            windows = self._splits[name]
         reads = windows.shape[1] - (0 if self.meta["kind"] == "text" else 1)
         if spec is not None and spec.seq_len is not None and spec.seq_len != reads:
             raise ConfigError("seq_len", f"the model reads {spec.seq_len} tokens but the shards hold rows of "
@@ -184,6 +188,10 @@ class TokenDataset:
             labels = self._splits[f"{name}_labels"]
         cut = slice(None, limit)
         return Split(features=windows[cut], labels=labels[cut] if labels is not None else None)
+
+    def blocks(self, name: str) -> NpyBlocks:
+        """Split ``name`` to stream block by block (training/data/stream.py)."""
+        return NpyBlocks(self.folder, name)
 
     @property
     def tokenizer_file(self) -> Path:

@@ -1,0 +1,77 @@
+"""The data gate in batches (data larger than memory: one pass over the Parquet row groups) reaches
+the verdict the whole-split gate reaches: the same data passes, the same bad data fails the same
+expectations, and the whole-split ones (row count, duplicates across batches, class shares) read
+exactly as they do on whole splits."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tests.training.test_validation import _copy, _rewrite, clean  # noqa: F401 (a fixture)
+from training.data.gate import DataValidationError, validate
+
+ROWS = 700  # train's 2,000 rows in 3 batches
+
+
+def _verdict(root, **kw):
+    try:
+        return validate(str(root), **kw)
+    except DataValidationError as e:
+        return e.report
+
+
+def test_a_clean_dataset_passes_in_batches_with_what_the_whole_gate_records(clean):  # noqa: F811
+    whole, batched = _verdict(clean), _verdict(clean, batch_rows=ROWS)
+    assert whole["success"] and batched["success"]
+    assert batched["rows"] == whole["rows"] and batched["fingerprint"] == whole["fingerprint"]
+    assert batched["batched"]["batches"] == {"train": 3, "validation": 1} and "batched" not in whole
+    assert batched["data_schema"]["classes"] == whole["data_schema"]["classes"]
+    for b, w in zip(batched["data_schema"]["train_columns"], whole["data_schema"]["train_columns"]):
+        assert (b["name"], b["dtype"], b["missing"]) == (w["name"], w["dtype"], w["missing"])
+        if "min" in w:
+            assert (b["min"], b["max"]) == pytest.approx((w["min"], w["max"]))
+            assert (b["mean"], b["std"]) == pytest.approx((w["mean"], w["std"]), rel=1e-3, abs=1e-6)
+
+
+def _nulls_and_labels(df):
+    df.loc[:9, "f3"] = np.nan
+    df.loc[1500:1504, "label"] = 7  # in the third batch
+    df.loc[800, "f2"] = np.inf
+
+
+def _duplicates(df):  # copies of the first batch's rows at the end: duplicates across batches
+    return pd.concat([df, df.iloc[:100]], ignore_index=True)
+
+
+def _skew(df):
+    return df.assign(label=np.where(np.arange(len(df)) < 1_950, 0, df["label"]))
+
+
+@pytest.mark.parametrize("split, change", [("train", _nulls_and_labels), ("train", _duplicates),
+                                           ("train", _skew), ("validation", lambda df: df.iloc[:50])])
+def test_bad_data_fails_the_same_expectations_in_batches(clean, tmp_path, split, change):  # noqa: F811
+    bad = _rewrite(clean, tmp_path / "bad", split, change)
+    whole, batched = _verdict(bad), _verdict(bad, batch_rows=ROWS)
+    assert not whole["success"] and not batched["success"]
+    key = lambda r: sorted((f["line"].split(":")[0], f.get("expectation") or f["line"].split(": ")[1].split("(")[0],
+                            f.get("column")) for f in r["failed_expectations"])
+    assert [k[:2] for k in key(batched)] == [k[:2] for k in key(whole)]
+    whole_split = ("expect_rows_to_be_unique", "expect_column_class_fractions", "expect_table_row_count")
+    for line in whole["failures"]:  # checked on the pass's totals: worded exactly as on whole splits
+        if any(w in line for w in whole_split):
+            assert line in batched["failures"] or line.split(": class shares")[0] in " ".join(batched["failures"])
+
+
+def test_a_batch_failure_says_where_it_was_first_seen(clean, tmp_path):  # noqa: F811
+    bad = _rewrite(clean, tmp_path / "bad", "train", _nulls_and_labels)
+    lines = _verdict(bad, batch_rows=ROWS)["failures"]
+    assert "train: expect_column_values_to_be_in_set(label): 5 bad values, e.g. [7, 7, 7] (first in rows 1400-1999; " \
+           "1 of 3 batches)" in lines
+    assert "train: expect_column_values_to_not_be_null(f3): 10 bad values (first in rows 0-699; 1 of 3 batches)" in lines
+
+
+def test_a_truncated_file_fails_in_batches(clean, tmp_path):  # noqa: F811
+    bad = _copy(clean, tmp_path / "bad")
+    path = bad / "train" / "part-00000.parquet"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert any(line.startswith("train: cannot read Parquet") for line in _verdict(bad, batch_rows=ROWS)["failures"])

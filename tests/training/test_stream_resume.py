@@ -1,0 +1,75 @@
+"""Data larger than the memory limit trains, and resumes exactly: token shards bigger than the
+whole job's memory limit (the torchrun agent and both ranks in one cgroup, as a pod's processes
+are) stream block by block; a rank SIGKILLed mid-shard restarts the group, which resumes from the
+newest checkpoint and ends bit-identical to an uninterrupted run under the same limit."""
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests import memlimit
+from tests.conftest import free_port
+from training.data.dataset import open_dataset
+from training.data.options import DataOptions
+from training.data.synthetic import grow_token_shards, make_text_dataset
+from training.data.tokenizer import resolve
+from training.data.tokens import build
+from training.distributed.launch import torchrun_command
+
+LIMIT = 1 << 30  # the job's memory limit: agent + 2 ranks (they peak near 700 MiB on this data)
+DATA = LIMIT + (256 << 20)  # train.npy's bytes: larger than the limit
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def big_shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    make_text_dataset(root / "data")
+    ds = open_dataset(root / "data", DataOptions(text_column="text"))
+    tok = resolve("bytes", train_documents=lambda: [])
+    uri = build(ds, text_column="text", tokenizer=tok, seq_len=32, store_uri=str(root / "store")).uri
+    n = grow_token_shards(uri.removeprefix("file://"), DATA)
+    return root / "data", uri, n
+
+
+def _run(group, data, uri, root, *, env=None, max_restarts=0):
+    sets = {"dataset_uri": data, "text_column": "text", "token_shards": uri, "model": "transformer", "hidden": 32,
+            "depth": 1, "n_heads": 2, "seq_len": 32, "dropout": 0.1, "steps": STEPS, "checkpoint_every": 10,
+            "batch_size": 16, "log_every": 5, "warmup_steps": 5, "eval_every": 0, "target_metric": "none",
+            "checkpoint_dir": root / "ck", "output_dir": root / "out", "shuffle_window": 4}
+    cmd = torchrun_command([a for k, v in sets.items() for a in ("--set", f"{k}={v}")], nproc_per_node=2,
+                           master_port=free_port(), max_restarts=max_restarts)
+    full_env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}, "GLOO_SOCKET_IFNAME": "lo",
+                "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env, preexec_fn=group.enter)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _final(root):
+    return hashlib.sha256((root / "ck" / f"step_{STEPS:08d}" / "model.safetensors").read_bytes()).hexdigest()
+
+
+def _losses(root):
+    return {json.loads(line)["step"]: json.loads(line)["loss"] for line in (root / "out" / "steps.jsonl").read_text().splitlines()}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not memlimit.available(), reason="needs root and the cgroup v1 memory controller")
+def test_data_larger_than_the_memory_limit_trains_and_resumes_bit_identical(big_shards, tmp_path):
+    data, uri, windows = big_shards
+    assert (Path(uri.removeprefix("file://")) / "train.npy").stat().st_size > LIMIT
+    base, killed = tmp_path / "base", tmp_path / "killed"
+    with memlimit.MemoryGroup("dtp-stream", LIMIT) as group:
+        _run(group, data, uri, base)
+        proc = _run(group, data, uri, killed, max_restarts=1, env={"TRAINING_FAULT_KILL_AT_STEP": "15:1"})
+        assert group.oom_kills == 0, "a process of the job was OOM-killed"
+        print(f"peak of the job's memory group: {group.peak / 2**20:.0f} MiB (limit {LIMIT >> 20} MiB)")
+    assert "rank 1 SIGKILLs itself after step 15" in proc.stdout and "(step 10)" in proc.stdout
+    assert _final(killed) == _final(base)
+    got, want = _losses(killed), _losses(base)
+    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
