@@ -32,7 +32,7 @@ def main() -> int:
     ap.add_argument("--ac", choices=["none", "full"], default="none", help="activation checkpointing")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round and mode (after one untimed)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--device", default="cuda" if os.environ.get("CUDA_VISIBLE_DEVICES", "x") else "cpu")
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda when there is one")
     a = ap.parse_args()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
 
@@ -41,7 +41,7 @@ def main() -> int:
     from training.models import activations, compiling
     from training.models.builtin import Transformer
 
-    device = torch.device(a.device if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
 
     def make(mode: str):
         torch.manual_seed(0)
