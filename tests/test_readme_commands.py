@@ -76,6 +76,8 @@ NOT_RUN = {
     "make install": "installs into .venv, which every test already runs in",
     "make demo": "tests/e2e/test_demo.py runs it from a clean shell",
     "make test": "the test suite itself",
+    ".venv/bin/python scripts/project_env.py .venv/bin/python benchmarks/gpu_check.py": "needs a CUDA machine; "
+    "the --device cpu --small form is run by tests/training/test_gpu_check.py",
     "TEST_BACKGROUND_LOAD=2 .venv/bin/python -m pytest tests/training": "a part of the test suite itself",
     "make airflow-up": "starts Airflow's servers on 127.0.0.1:8080 for as long as one wants them (the tests start "
                        "the same parts on free ports: tests/e2e/live_airflow.py)",

@@ -1,14 +1,23 @@
 """The portable model: ``model.safetensors`` + ``model_config.json``, written from the sharded
-model by rank 0 and rebuilt anywhere without pickle."""
+model (or from a sharded DCP checkpoint) one tensor at a time, and rebuilt anywhere without pickle.
+
+Bounded: no process ever holds more than one full tensor of the model (plus DCP's read of it):
+the safetensors header is written first from the names, shapes and dtypes alone, then each tensor
+is made whole (an all-gather of its shards, or a DCP read of its pieces), written and dropped.
+The bytes are those ``safetensors.torch.save_file`` writes for the same tensors (a test compares
+them). Why by hand: docs/architecture.md "Bounded export".
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
+from typing import Callable, Iterable
 
+import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from training.models.spec import ModelSpec
 from training.util import atomic_write
@@ -19,29 +28,163 @@ MODEL_CONFIG_FILE = "model_config.json"
 TOKENIZER_FILE = "tokenizer.json"  # a language model's tokenizer, exported beside it
 HF_CONFIG_FILE = "config.json"  # an hf: model's: the folder is what from_pretrained loads
 EXPORTED = (MODEL_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE, HF_CONFIG_FILE)  # the files of an export that exist
+CHECKPOINT_MODEL = "train.model."  # the model's tensors in a trainer checkpoint (TrainState, flattened by DCP)
+
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]  # file name -> dtype, shape, in any order
+
+
+# --------------------------------------------------------------------------- the streaming writer
+
+
+def header(layout: Layout, metadata: dict[str, str] | None = None) -> tuple[bytes, list[str]]:
+    """The safetensors header of tensors of these dtypes and shapes, and the order their bytes
+    follow it in. The order and the dtype names are safetensors' own: they are read from the header
+    it writes for empty tensors of the same names and dtypes (it sorts by dtype size, then name)."""
+    from safetensors.torch import save
+
+    empty = save({name: torch.empty((0,), dtype=dtype) for name, (dtype, _) in layout.items()})
+    entries = json.loads(empty[8:8 + struct.unpack("<Q", empty[:8])[0]])
+    entries.pop("__metadata__", None)
+    head: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, entry in entries.items():
+        dtype, shape = layout[name]
+        end = offset + _numel(shape) * dtype.itemsize
+        head[name] = {"dtype": entry["dtype"], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads its header with spaces to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw, list(entries)
+
+
+def write_streamed(path: Path | None, layout: Layout, tensors: Iterable[tuple[str, torch.Tensor]],
+                   metadata: dict[str, str] | None = None) -> None:
+    """Write ``path`` (atomically) from ``tensors``, an iterable that yields each tensor of
+    ``layout`` whole, one at a time, in ``order(layout)``. ``path=None``: consume the tensors only
+    (the ranks that take part in gathering them but do not write)."""
+    raw, names = header(layout, metadata)
+    tmp = Path(f"{path}.tmp") if path is not None else None
+    f = open(tmp, "wb") if tmp is not None else None
+    try:
+        if f is not None:
+            f.write(raw)
+        for expected, (name, t) in zip(names, tensors, strict=True):
+            if name != expected or tuple(t.shape) != layout[name][1] or t.dtype != layout[name][0]:
+                raise ValueError(f"export: got {name} {tuple(t.shape)} {t.dtype} where {expected} "
+                                 f"{layout[expected][1]} {layout[expected][0]} was announced")
+            if f is not None:
+                f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del t
+        if f is not None:
+            f.close()
+            os.replace(tmp, path)
+    finally:
+        if f is not None and not f.closed:
+            f.close()
+            tmp.unlink(missing_ok=True)
+
+
+def order(layout: Layout) -> list[str]:
+    return header(layout)[1]
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# --------------------------------------------------------------------------- from the live, sharded model
 
 
 def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path | None = None) -> None:
-    """Collective: consolidate the full model on rank 0 and write safetensors + its config (and
-    a language model's ``tokenizer.json``)."""
-    from safetensors.torch import save_file
+    """Collective: write safetensors + its config (and a language model's ``tokenizer.json``) on
+    rank 0. Every rank gathers one tensor at a time (FSDP2's shards, all-gathered), rank 0 writes it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        path = Path(path)
+    state = get_model_state_dict(model)  # this rank's shards (DTensors) or, under DDP, the tensors
+    inner = getattr(model, "module", model)  # DDP's wrapped module
+    names = _file_names(list(state), inner, spec)
+    layout = {names[k]: (v.dtype, tuple(v.shape)) for k, v in state.items() if k in names}
+    by_file = {f: k for k, f in names.items()}
+    main = dist.get_rank() == 0
+    path = Path(path)
+    if main:
         path.mkdir(parents=True, exist_ok=True)
-        if spec.is_hf:
-            from training.models.hf import save_folder
 
-            save_folder(full, spec.arch, path)
-        else:
-            tmp = path / (MODEL_FILE + ".tmp")
-            save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
-            os.replace(tmp, path / MODEL_FILE)
-        atomic_write(path / MODEL_CONFIG_FILE, json.dumps(spec.to_json(), indent=2) + "\n")
-        if tokenizer_file is not None:
-            atomic_write(path / TOKENIZER_FILE, Path(tokenizer_file).read_text())
+    def whole():
+        for name in order(layout):
+            t = state[by_file[name]]
+            yield name, t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    write_streamed(path / MODEL_FILE if main else None, layout, whole(), _file_metadata(spec))
+    if main:
+        _write_beside(path, spec, tokenizer_file)
     dist.barrier()
+
+
+def _file_names(state_names: list[str], model, spec: ModelSpec) -> dict[str, str]:
+    if spec.is_hf:
+        from training.models.hf import export_names
+
+        return export_names(state_names, model)
+    return {k: k for k in state_names}
+
+
+def _file_metadata(spec: ModelSpec) -> dict[str, str] | None:
+    if spec.is_hf:
+        from training.models.hf import EXPORT_METADATA
+
+        return EXPORT_METADATA
+    return None
+
+
+def _write_beside(path: Path, spec: ModelSpec, tokenizer_file: Path | None) -> None:
+    if spec.is_hf:
+        from training.models.hf import write_config
+
+        write_config(spec.arch, path)
+    atomic_write(path / MODEL_CONFIG_FILE, json.dumps(spec.to_json(), indent=2) + "\n")
+    if tokenizer_file is not None:
+        atomic_write(path / TOKENIZER_FILE, Path(tokenizer_file).read_text())
+
+
+# --------------------------------------------------------------------------- from a sharded DCP checkpoint
+
+
+def export_checkpoint(reader, out: str | Path, *, prefix: str = CHECKPOINT_MODEL,
+                      rename: Callable[[str], str | None] = lambda k: k,
+                      metadata: dict[str, str] | None = None) -> list[str]:
+    """Write ``out`` (a ``model.safetensors``) from the tensors under ``prefix`` of the DCP
+    checkpoint ``reader`` reads (a ``FileSystemReader``, the trainer's ``VerifiedReader``), in one
+    process, one tensor at a time: each is read whole from its shards by DCP (``dcp.load`` of that
+    tensor alone, whatever world size wrote it), written and dropped. ``rename``: the name in the
+    file (None: leave it out). Returns the names written."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = reader.read_metadata()
+    keys = {}
+    for key, item in meta.state_dict_metadata.items():
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata):
+            name = rename(key.removeprefix(prefix))
+            if name is not None:
+                keys[name] = (key, item.properties.dtype, tuple(item.size))
+    layout = {name: (dtype, shape) for name, (_, dtype, shape) in keys.items()}
+
+    def whole():
+        for name in order(layout):
+            key, dtype, shape = keys[name]
+            t = {key: torch.empty(shape, dtype=dtype)}
+            dcp.load(t, storage_reader=reader, no_dist=True)
+            yield name, t.pop(key)
+
+    write_streamed(Path(out), layout, whole(), metadata)
+    return list(layout)
+
+
+# --------------------------------------------------------------------------- reading it back
 
 
 def read_spec(path: str | Path) -> ModelSpec:

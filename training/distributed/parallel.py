@@ -22,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from training.distributed.comm import CommTimer, _fsdp_timed_comms, _timed
-from training.models import activations
+from training.models import activations, compiling
 from training.models.build import shard_units
 from training.util import free_port
 
@@ -124,6 +124,7 @@ def parallelize(model: nn.Module, cfg, info: DistInfo,
     if not any(p.is_meta for p in model.parameters()):
         model = model.to(info.device)
     activations.apply(model, cfg.activation_checkpointing)  # before wrapping: FSDP2's hooks stay outside it
+    compiling.apply(model, cfg.compile)  # after: the recomputed forward is what compiles; before sharding
     timer = CommTimer(info.device)
     if cfg.strategy == "ddp":
         wrapped = DDP(

@@ -73,6 +73,7 @@ class MetricsRecorder:
         self.window: Window | None = None
         self._grad_norm: torch.Tensor | None = None
         self.windows = 0  # closed by this attempt; the first is warm-up
+        self.compile_s = 0.0  # compile=blocks: seconds compiling, as last logged
         self.eta = EtaSmoother()
         self._progress_logged_at = -math.inf
         self.memory_estimate: Estimate | None = None  # the preflight's (training/metrics/memory.py)
@@ -174,6 +175,7 @@ class MetricsRecorder:
                                      **{f"warmup_{k.split('/')[1]}": stats[k] for k in WARMUP_SUMMARY if k in stats}})
         else:
             self.metrics_log.log_metrics(stats, step=step)
+        self._log_compile(step)
         eta = self.eta.update(self.window.steps, self.window.t_end - self.window.t0, first=self.windows == 1)
         eta_s = eta * (self.cfg.steps - step)
         self._progress(step, stats, eta_s)
@@ -185,6 +187,20 @@ class MetricsRecorder:
         for callback in self.on_window:
             callback(stats)
         self.window = self._new_window(self.window.t_end)  # logging and printing count in the next window
+
+    def _log_compile(self, step: int) -> None:
+        """compile=blocks: the seconds spent compiling so far (rank 0's; every rank compiles the same
+        graphs at the same steps), logged when they grew. The steps that compiled fall in the first
+        window, whose speed figures are warm-up (see WARMUP_KEYS), so step time leaves them out."""
+        if self.cfg.compile == "none":
+            return
+        from training.models.compiling import compile_seconds
+
+        spent = compile_seconds()
+        if spent > self.compile_s:
+            self.compile_s = spent
+            self.metrics_log.log_metrics({"perf/compile_s": spent}, step=step)
+            self.mlflow.log_summary({"compile_s": spent})
 
     def not_training(self, seconds: float) -> None:
         """Time inside the window that was not training (evaluation): left out of throughput."""
@@ -303,6 +319,7 @@ class MetricsRecorder:
             "device_hours_lost_to_restarts": life["lost_device_s"] / 3600,
             "peak_mem_bytes_max": float(peak_max),
             **{f"peak_mem_bytes_rank_{r}": float(p) for r, p in enumerate(peaks)},
+            **({"compile_s": self.compile_s} if self.cfg.compile != "none" else {}),
         }
         self.mlflow.log_summary(summary)
         self.mlflow.set_progress(step, self.cfg.steps, 0.0)

@@ -138,21 +138,22 @@ def check_vocabulary(model: str, arch: dict[str, Any], vocab_size: int) -> None:
                           "tokens")
 
 
-def save_folder(state: dict[str, torch.Tensor], arch: dict[str, Any], path: Path) -> None:
-    """What ``from_pretrained`` reads: ``config.json`` and ``model.safetensors`` under the model's names."""
-    from safetensors.torch import save_file
-
+def write_config(arch: dict[str, Any], path: Path) -> None:
+    """The ``config.json`` of an exported folder, naming the head ``from_pretrained`` builds."""
     config = _config(arch)
     head = "ForSequenceClassification" if arch["hf_head"] == "sequence_classification" else "ForCausalLM"
     config.architectures = config.architectures or [f"{type(config).__name__.removesuffix('Config')}{head}"]
     (path / CONFIG).write_text(config.to_json_string())
-    tensors, seen = {}, set()
-    for k, v in state.items():  # tied weights (an LM head sharing the embedding) are stored once
-        if v.data_ptr() in seen:
-            continue
-        seen.add(v.data_ptr())
-        tensors[k.removeprefix("model.")] = v.contiguous()
-    save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
+
+
+def export_names(names: list[str], model: nn.Module) -> dict[str, str]:
+    """The wrapper's state-dict names -> the hf model's own names in ``model.safetensors``; tied
+    weights (an LM head sharing the embedding) are stored once, under the first name."""
+    tied = {f"model.{k}" for k in _tied_names(model.model)} if isinstance(model, HFModel) else set()
+    return {k: k.removeprefix("model.") for k in names if k not in tied}
+
+
+EXPORT_METADATA = {"format": "pt"}  # what save_pretrained writes into the safetensors header
 
 
 def load_folder_weights(model: "HFModel", path: Path) -> None:
