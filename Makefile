@@ -12,7 +12,7 @@ ROOT := $(CURDIR)
 # A variable set in your shell wins.
 WITH_ENV := $(BIN)/python scripts/project_env.py
 
-.PHONY: install demo test test-fast airflow-up airflow-down mlflow-ui compare screenshots chromium podman images stack-check clean help docs
+.PHONY: install demo test test-fast airflow-up airflow-down mlflow-ui compare screenshots chromium podman prometheus images stack-check clean help docs
 
 help:
 	@echo "make demo         install (first time), make data, run one full DAG run, print where to look"
@@ -44,7 +44,7 @@ demo: $(STAMP)
 # servers and containers (two workers kept the CPUs 79% busy; three finish in 12 minutes instead of
 # 14). tests/conftest.py keeps the live stack and the image on one worker each.
 PYTEST_WORKERS ?= 3
-test: $(STAMP) chromium podman
+test: $(STAMP) chromium podman prometheus
 	$(WITH_ENV) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=30
 
 # The tests not marked slow (no live Airflow, no full DAG runs): a few minutes, for a quick check.
@@ -59,6 +59,18 @@ chromium:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	else \
 	  echo "chromium is missing: install it (Debian/Ubuntu: sudo apt-get install -y chromium), then run make test again"; \
+	  exit 1; \
+	fi
+
+# The alert-rule tests run promtool and the live-metrics test a real Prometheus server (Debian's
+# prometheus package has both). Installed here when missing and we may.
+prometheus:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing prometheus (apt-get) for the alert-rule and live-metrics tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	else \
+	  echo "prometheus is missing: install it (Debian/Ubuntu: sudo apt-get install -y prometheus), then run make test again"; \
 	  exit 1; \
 	fi
 

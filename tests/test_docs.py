@@ -25,6 +25,13 @@ def test_every_trainer_field_is_documented():
     assert all(f"| `{name}` |" in doc for name in specs(TrainConfig))
 
 
+def test_every_live_metric_is_in_the_operations_table():
+    from training.metrics.live import METRICS
+
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    assert [name for name in METRICS if f"| `{name}` | {METRICS[name]} |" not in doc] == []
+
+
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PATH = re.compile(r"(?<![\w/.-])((?:training|plugins|dags|scripts|benchmarks|tests|examples|docker|deploy)/[\w/.-]*\w)")
 DOTTED = re.compile(r"(?<![\w./-])(training(?:\.\w+)+)")

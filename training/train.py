@@ -189,6 +189,7 @@ class Trainer:
         self.preemption = Preemption(cfg.preempt_grace_s, log_every=cfg.log_every, device=info.device,
                                      checkpointer=self.checkpointer, phase=self.phase)
         self.recorder.on_window.append(self.preemption.pace)
+        self.checkpointer.on_commit.append(self.recorder.live.checkpoint_committed)
         faults.install(self)  # only when a TRAINING_FAULT_* variable asks for one
         self.startup.mark("components")  # checkpointer, recorder, evaluator (reads the validation split)
 

@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN_ID = "5f3c2a9be1d04c7f8a6b0e2d4c6a8e10"
 BOTH = ["local", "kubernetes"]
 MLFLOW = "http://mlflow.mlops.svc:5000"
+DAG_RUN_ID = "manual__2026-12-02T10:00:00+00:00"
 K8S_VERSIONS = ["1.30.0", f"{kubernetes_validate.latest_version()}.0"]
 DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -74,7 +75,8 @@ def build_job(kubeconfig: str, params: dict, *, run_id: str = RUN_ID, try_number
     """Job + Names, built by the real KubernetesJobOperator from our arguments."""
     names = K.names(params, mlflow_run_id=run_id, try_number=try_number)
     cfg = K.pod_train_config(params, run_dir=names.run_dir, run_id=run_id, token_shards=token_shards)
-    kwargs = K.job_operator_kwargs(params, names, mlflow_run_id=run_id, tracking_uri=MLFLOW, train_config=cfg)
+    kwargs = K.job_operator_kwargs(params, names, mlflow_run_id=run_id, tracking_uri=MLFLOW, train_config=cfg,
+                                   dag_run_id=DAG_RUN_ID)
     kwargs["kubernetes_conn_id"] = None  # no Airflow connection here: the kubeconfig file instead
     op = KubernetesJobOperator(task_id="train_on_kubernetes", in_cluster=False, config_file=kubeconfig,
                                **K.JOB_STATIC_KWARGS, **kwargs)
@@ -272,6 +274,36 @@ def test_env_wiring(built):
     assert all(upload_env[n]["valueFrom"]["secretKeyRef"]["name"] == built.params["k8s_s3_secret"] for n in K.S3_ENV)
 
 
+def test_every_rank_serves_metrics_on_a_named_port_the_podmonitor_scrapes(built, kubeconfig):
+    import yaml
+
+    from training.metrics.live import DAG_RUN_ENV, EXPERIMENT_ENV, NODE_ENV
+
+    container = built.spec["containers"][0]
+    base = built.params["metrics_port"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {f"metrics-{i}": base + i for i in range(8)}  # 8 GPUs: 8 ranks a pod, each its own port
+    annotations = built.job["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(base), "prometheus.io/path": "/metrics"}
+    env = env_of(container)
+    assert env[K.POD_IP_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env[NODE_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env[EXPERIMENT_ENV]["value"] == built.params["experiment"] and env[DAG_RUN_ENV]["value"] == DAG_RUN_ID
+    # The ranks listen on the pod's IP: $(POD_IP) left for Kubernetes to expand, once.
+    sets = torchrun_args(container).training_script_args
+    assert [a for a in sets if a.startswith("metrics_host=")] == ["metrics_host=$(POD_IP)"]
+    # The PodMonitor beside the Job's manifests selects these pods and names every port they declare.
+    (monitor,) = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "podmonitor.yaml").read_text())
+    assert monitor["kind"] == "PodMonitor" and monitor["metadata"]["namespace"] == built.params["k8s_namespace"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= built.template_labels.items()
+    assert set(ports) <= {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    # metrics_port=0: no port, no annotation, no pod-IP override.
+    job, _ = build_job(kubeconfig, k8s_params(checkpoint_location="local", metrics_port=0))
+    off = job["spec"]["template"]["spec"]["containers"][0]
+    assert not off.get("ports") and not (job["spec"]["template"]["metadata"].get("annotations") or {})
+    assert "metrics_host=$(POD_IP)" not in off["args"]
+
+
 def test_no_secret_value_reaches_the_rendered_objects(kubeconfig, monkeypatch):
     secrets = {"AWS_ACCESS_KEY_ID": "AKIAWORKERKEY123", "AWS_SECRET_ACCESS_KEY": "worker-secret-value-9f8e7d",
                "MLFLOW_TRACKING_PASSWORD": "mlflow-password-4242"}
@@ -421,7 +453,7 @@ def test_dollar_parentheses_are_escaped_for_kubernetes():
 
 
 def _context(params, try_number=1):
-    return {"params": params, "ti": SimpleNamespace(try_number=try_number)}
+    return {"params": params, "ti": SimpleNamespace(try_number=try_number), "run_id": DAG_RUN_ID}
 
 
 def test_operators_compute_their_arguments_when_the_task_runs(kubeconfig, monkeypatch):

@@ -148,6 +148,7 @@ class Checkpointer:
         self.rng_restored = False  # whether the loaded checkpoint had this rank's RNG file
         self.evaluated: tuple[int, dict[str, float]] | None = None  # the last eval during training
         self.supersede: frozenset[str] = frozenset()  # step folders newer than the resumed one (rank 0)
+        self.on_commit: list[Callable[[int], None]] = []  # told the step of each checkpoint committed
 
     # ------------------------------------------------------------------ resume
 
@@ -298,6 +299,8 @@ class Checkpointer:
 
     def _committed(self, writer: StoreWriter, step: int) -> None:
         self.supersede = self.supersede - {writer.step_dir}
+        for callback in self.on_commit:
+            callback(step)
         if self.rank == 0:
             self.metrics.log_metrics({"ckpt/save_s": writer.commit_s}, step=step)
 

@@ -173,6 +173,16 @@ class TrainConfig:
         "the next ahead, so its memory stays about 2 x shuffle_window MiB whatever the data's size; the blocks are "
         "permuted each epoch, the windows in a block window shuffled (larger: closer to a full shuffle)",
         title="Shuffle window (blocks)", minimum=1, maximum=65_536, section=ADVANCED)
+    metrics_port: int = knob(
+        9400, "each rank serves Prometheus metrics on this port + its local rank (0 = none); a port in use costs "
+        "that rank's metrics with a warning, never the run", title="Metrics port", minimum=0, maximum=65_000,
+        section=ADVANCED)
+    metrics_host: str = knob(
+        "127.0.0.1", "address the ranks' metrics listen on (the pods listen on their pod IP)", title="Metrics address",
+        pattern=r"^[A-Za-z0-9.:\-\[\]$()_]+$", section=ADVANCED)
+    stall_after_s: float = knob(
+        300.0, "the stall alert's floor: a run is stalled after max(this, 10 typical steps) without a step",
+        title="Stalled after (s)", exclusive_minimum=0, maximum=86_400, section=ADVANCED)
     split_seed: int = knob(0, "seed of the one-table split (validation_fraction); the same seed keeps the same rows "
                            "in validation", title="Split seed", minimum=0, section=ADVANCED)
 
@@ -240,7 +250,7 @@ class TrainConfig:
         """Hash of what determines the trained weights (not where files go)."""
         # Evaluation during training reads the weights but never changes them.
         skip = ("checkpoint_dir", "output_dir", "eval_every", "target_metric", "target_value", "dataset_fingerprint",
-                "retention_keep_last", "token_shards")
+                "retention_keep_last", "token_shards", "metrics_port", "metrics_host", "stall_after_s")
         keep = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 

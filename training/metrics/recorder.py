@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -26,6 +27,7 @@ from training.distributed.comm import CommTimer
 from training.distributed.parallel import DistInfo, full_tensor, local_state_bytes
 from training.metrics.formulas import lineage_summary
 from training.metrics.memory import Estimate, log_estimate
+from training.metrics.live import LiveMetrics
 from training.metrics.peak import peak_flops, peak_memory_bytes
 from training.models.spec import ModelSpec
 from training.metrics.steps import EtaSmoother, RunClock, StepLog, StepResult, Window
@@ -77,6 +79,8 @@ class MetricsRecorder:
         self.eta = EtaSmoother()
         self._progress_logged_at = -math.inf
         self.memory_estimate: Estimate | None = None  # the preflight's (training/metrics/memory.py)
+        self.live = LiveMetrics(info.rank, checkpoint_every=cfg.checkpoint_every, restarts=restarts,
+                                stall_after_s=cfg.stall_after_s, cuda=info.device.type == "cuda")
 
     # ------------------------------------------------------------------ start and end
 
@@ -95,9 +99,13 @@ class MetricsRecorder:
                 self.step_log = StepLog(self.out, lag=1 if self.info.device.type == "cuda" else 0)
             if self.memory_estimate is not None:
                 log_estimate(self.mlflow, self.memory_estimate)
+        self.live.started(self.state.step, resumed_from is not None)
+        if self.cfg.metrics_port:  # one port per rank of a node
+            self.live.serve(self.cfg.metrics_host, self.cfg.metrics_port + self.info.local_rank)
         self.window = self._new_window(time.perf_counter())
 
     def close(self) -> None:
+        self.live.close()
         if self.step_log is not None:
             self.step_log.close()
         if self.system_metrics is not None:
@@ -151,6 +159,7 @@ class MetricsRecorder:
         self.skipped_steps += int(r.skipped)
         self._grad_norm = r.grad_norm
         self.window.add(r)
+        self.live.step(step, r.seconds)
         if self.step_log is not None:
             self.step_log.add({"step": step, "skipped": r.skipped, "restart": self.restarts,
                                "step_s": r.seconds, "t": time.time(), "attempt": self.attempt,
@@ -251,7 +260,36 @@ class MetricsRecorder:
         if self.state.scaler.is_enabled():
             stats["train/loss_scale"] = self.state.scaler.get_scale()
             stats["train/skipped_steps"] = float(self.skipped_steps)
+        self._live_window(every, stats)
         return stats
+
+    def _live_window(self, every: torch.Tensor, stats: dict[str, float]) -> None:
+        """The live metrics of the window, from the all-gather's rows (no further collective)."""
+        w, cfg, info = self.window, self.cfg, self.info
+        loss, comm, data, exposed, elapsed = (every[info.rank, :5] / w.steps).tolist()
+        share = cfg.batch_size / info.world_size  # samples per step of one rank
+        mine = {"training_loss": loss, "training_data_wait_seconds": data,
+                "training_compute_seconds": max(0.0, elapsed - exposed - data),
+                "training_samples_per_second": share / elapsed if elapsed > 0 else 0.0}
+        if self.comm_timer.timed and not self.comm_timer.cuda:
+            mine["training_comm_seconds"] = comm
+        if "perf/tokens_per_s" in stats:
+            mine["training_tokens_per_second"] = mine["training_samples_per_second"] * self.spec.seq_len
+        self.live.window(mine, stats, (w.t_end - w.t0) / w.steps)
+        if not info.is_main:
+            return
+        compute = ((every[:, 4] - every[:, 3] - every[:, 2]) / w.steps).clamp(min=0).tolist()
+        median = statistics.median(compute)
+        run = {"training_run_samples_per_second": stats["perf/samples_per_s"],
+               "training_run_step_seconds_max": stats["perf/step_s"],
+               "training_run_compute_seconds_max": max(compute),
+               "training_run_compute_seconds_median": median,
+               "training_run_straggler_ratio": max(compute) / median if median > 0 else 1.0,
+               "training_run_slowest_rank": float(compute.index(max(compute))),
+               "training_run_loss": stats["train/loss"]}
+        if "perf/tokens_per_s" in stats:
+            run["training_run_tokens_per_second"] = stats["perf/tokens_per_s"]
+        self.live.run_view(run)
 
     def _comm_stats(self, w: Window, comm_s: float, exposed_s: float, step_s: float) -> dict[str, float]:
         stats = {

@@ -209,6 +209,7 @@ def record_ranks(run_id: str, output_dir: Path) -> dict[str, str]:
 def run_torchrun(params: dict[str, Any], validated: Validated) -> dict[str, Any]:
     """Start torchrun with ``world_size`` ranks; a retry resumes from the newest checkpoint that verifies."""
     from training.distributed.launch import torchrun_command
+    from training.metrics.live import DAG_RUN_ENV, EXPERIMENT_ENV
     from training.tracking.relay import RELAY_ENV
     from training.util import free_port
 
@@ -229,7 +230,9 @@ def run_torchrun(params: dict[str, Any], validated: Validated) -> dict[str, Any]
     # S3 settings of aws_conn_id (if any) travel as environment of the ranks, never as arguments:
     # the ranks read an s3:// dataset with them too. Rank 0's MLflow calls come back through
     # stdout and are applied by this process's client.
-    env = rank_env(nproc, {**store_env(params), "MLFLOW_RUN_ID": run_id,
+    # The ranks' metric labels: the experiment and the DAG run (Airflow sets AIRFLOW_CTX_* for the task).
+    env = rank_env(nproc, {**store_env(params), "MLFLOW_RUN_ID": run_id, EXPERIMENT_ENV: str(params["experiment"]),
+                           DAG_RUN_ENV: os.environ.get("AIRFLOW_CTX_DAG_RUN_ID", ""),
                            "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"], RELAY_ENV: "stdout"})
     result = run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT, relay_run_id=run_id)
     if result.returncode != 0:

@@ -192,7 +192,8 @@ class TrainingJobOperator(_RunBound, KubernetesJobOperator):
         cfg = pod_train_config(params, run_dir=names_.run_dir, run_id=self._run_id(context),
                                token_shards=self.handoff.get("token_shards", ""))
         apply_kwargs(self, job_operator_kwargs(params, names_, mlflow_run_id=self._run_id(context),
-                                               tracking_uri=tracking_uri, train_config=cfg))
+                                               tracking_uri=tracking_uri, train_config=cfg,
+                                               dag_run_id=str(context.get("run_id") or "")))
         self.startup_timeout_s = float(params["k8s_startup_timeout_s"])
         return names_
 

@@ -169,7 +169,13 @@ def pod_train_config(params: dict[str, Any], *, run_dir: str, run_id: str, world
                                **where).to_dict()
     if not str(cfg["dataset_uri"]).startswith("s3://"):  # the pods read an s3:// dataset themselves
         cfg["dataset_uri"] = params["k8s_dataset_path"]
+    if cfg["metrics_port"]:  # the ranks' metrics listen on the pod's IP, which Kubernetes puts in
+        cfg["metrics_host"] = f"$({POD_IP_ENV})"
     return cfg
+
+
+POD_IP_ENV = "POD_IP"
+POD_IP_ARG = f"metrics_host=$({POD_IP_ENV})"  # the one argument Kubernetes is to expand
 
 
 def _escape(value: str) -> str:
@@ -182,7 +188,7 @@ def set_args(cfg: dict[str, Any]) -> list[str]:
     from training.config.train_config import TrainConfig
     from training.config.fields import set_args as to_set_args
 
-    return [_escape(a) for a in to_set_args(TrainConfig, cfg)]
+    return [a if a == POD_IP_ARG else _escape(a) for a in to_set_args(TrainConfig, cfg)]
 
 # --------------------------------------------------------------------------- objects
 
@@ -234,6 +240,37 @@ def _base_env() -> list[k8s.V1EnvVar]:
     # The root filesystem is read-only: caches and temporary files go to the /tmp volume.
     return [k8s.V1EnvVar(name="HOME", value="/tmp"), k8s.V1EnvVar(name="TMPDIR", value="/tmp"),
             k8s.V1EnvVar(name="PYTHONDONTWRITEBYTECODE", value="1"), k8s.V1EnvVar(name="PYTHONUNBUFFERED", value="1")]
+
+
+METRICS_PORT_NAME = "metrics-{}"  # + the local rank; deploy/kubernetes/podmonitor.yaml lists metrics-0..7
+
+
+def _field(path: str) -> k8s.V1EnvVarSource:
+    return k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path=path))
+
+
+def pod_ip_env() -> k8s.V1EnvVar:
+    return k8s.V1EnvVar(name=POD_IP_ENV, value_from=_field("status.podIP"))
+
+
+def metrics_env(params: dict[str, Any], dag_run_id: str) -> list[k8s.V1EnvVar]:
+    """The ranks' metric labels (training/metrics/live.py) and the address they listen on."""
+    from training.metrics.live import DAG_RUN_ENV, EXPERIMENT_ENV, NODE_ENV
+
+    return [pod_ip_env(), k8s.V1EnvVar(name=NODE_ENV, value_from=_field("spec.nodeName")),
+            k8s.V1EnvVar(name=EXPERIMENT_ENV, value=str(params["experiment"])),
+            k8s.V1EnvVar(name=DAG_RUN_ENV, value=dag_run_id)]
+
+
+def metrics_ports(params: dict[str, Any], cfg: dict[str, Any]) -> tuple[list[k8s.V1ContainerPort], dict[str, str]]:
+    """One named container port per rank of a pod, and the classic scrape annotations (which
+    name one port: local rank 0's; the PodMonitor scrapes every rank). None when metrics_port is 0."""
+    base = int(cfg.get("metrics_port") or 0)
+    if not base:
+        return [], {}
+    ports = [k8s.V1ContainerPort(name=METRICS_PORT_NAME.format(i), container_port=base + i, protocol="TCP")
+             for i in range(procs_per_node(params))]
+    return ports, {"prometheus.io/scrape": "true", "prometheus.io/port": str(base), "prometheus.io/path": "/metrics"}
 
 
 def s3_env(secret: str) -> list[k8s.V1EnvVar]:
@@ -333,13 +370,15 @@ def success_policy() -> k8s.V1SuccessPolicy:
 
 
 def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id: str, tracking_uri: str,
-                        train_config: dict[str, Any]) -> dict[str, Any]:
+                        train_config: dict[str, Any], dag_run_id: str = "") -> dict[str, Any]:
     """Arguments of ``KubernetesJobOperator`` for this run (on top of JOB_STATIC_KWARGS)."""
     n = int(params["k8s_nnodes"])
+    ports, annotations = metrics_ports(params, train_config)
     volumes, mounts = _volumes(params, trainer=True)
     env = [*_base_env(),
            k8s.V1EnvVar(name="MLFLOW_TRACKING_URI", value=tracking_uri),
            k8s.V1EnvVar(name="MLFLOW_RUN_ID", value=mlflow_run_id),
+           *metrics_env(params, dag_run_id),
            *s3_env(params["k8s_s3_secret"]),
            *[k8s.V1EnvVar(name=k, value=str(v)) for k, v in sorted(dict(params.get("k8s_nccl_env") or {}).items())]]
     check = k8s.V1Container(
@@ -348,7 +387,7 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
         # pods' own S3 Secret: a missing bucket or refused keys fail the Job at once (exit 2).
         command=["python", "-m", "training", "train", "--print-config", *(["--check-access"] if in_store(params) else []),
                  *set_args(train_config)],
-        env=[*_base_env(), *(s3_env(params["k8s_s3_secret"]) if in_store(params) else [])],
+        env=[*_base_env(), pod_ip_env(), *(s3_env(params["k8s_s3_secret"]) if in_store(params) else [])],
         security_context=container_security_context(),
         resources=k8s.V1ResourceRequirements(requests={"cpu": "100m", "memory": "256Mi"},
                                              limits={"cpu": "1", "memory": "1Gi"}),
@@ -363,6 +402,8 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
         "cmds": LAUNCHER,
         "arguments": torchrun_args(params, names_, train_config),
         "env_vars": env,
+        "ports": ports,
+        "annotations": annotations,
         "volumes": volumes,
         "volume_mounts": mounts,
         "container_resources": trainer_resources(params),
