@@ -122,6 +122,9 @@ def open_run(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_ur
     log.info("MLflow run %s (experiment %s): %s", run_id, experiment, links.mlflow_run_page(dag_id, dag_run_id))
     # Earlier runs of this DAG that were cancelled (no callback tells us) are KILLED from here on.
     lifecycle.reconcile(logger.client.get_run(run_id).info.experiment_id, dag_id=dag_id, current_run_id=dag_run_id)
+    from training.tracking.page import describe
+
+    describe(run_id)  # from the start the run's page says who asked for it and under which policy
     return RunOpened(mlflow_run_id=run_id, dataset_uri=dataset)
 
 
