@@ -196,3 +196,48 @@ def test_the_run_records_who_triggered_it_and_under_which_policy(team):
     tags = policy.record(team, "gpu-8", "alice")
     assert tags == {"policy.runtime": "gpu-8", "policy.sha256": team.sha256, "policy.source": team.source,
                     "airflow.triggered_by": "alice"}
+
+
+def test_the_documented_example_is_a_valid_policy(tmp_path):
+    """docs/operations.md's example for a team with a CPU and an 8-GPU runtime loads and bounds as it says."""
+    import re
+
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    (example,) = re.findall(r"```yaml\n(# /etc/training/policy.yaml.*?)```", text, re.S)
+    loaded = policy.parse(example, "docs/operations.md")
+    assert list(loaded.policy.runtimes) == ["cpu", "gpu-8"]
+    assert loaded.policy.ceilings_of("cpu").steps == 20000 and loaded.policy.ceilings_of("gpu-8").gpus == 32
+    gpu = {**GPU, "k8s_namespace": "team-a", "dataset_uri": "s3://team-a-data/x", "store_uri": "s3://team-a-checkpoints",
+           "model": "team_a_models.lm:build"}
+    assert policy.check(gpu, loaded) == "gpu-8"
+    with pytest.raises(policy.PolicyError, match=r"rule ceilings of runtime gpu-8: gpus_per_node\)"):
+        policy.check({**gpu, "k8s_nnodes": 4, "k8s_gpus_per_node": 9}, loaded)
+
+
+def test_the_api_servers_middleware_refuses_a_trigger_outside_the_policy(team, monkeypatch):
+    """The DAG's defaults with the conf on top are checked, so a trigger with no conf is too; a
+    DAG the policy does not bound passes (its own Airflow checks remain)."""
+    import json
+
+    from tests.plugins.test_conf_check import _request
+    from training_airflow.conf_check import ConfCheck
+
+    monkeypatch.setattr(policy, "load", lambda path=None: team)
+
+    async def authorized(scope, dag_id):
+        return True
+
+    defaults = {**CPU, "world_size": 8}
+    check = ConfCheck(None, declared=lambda app, dag_id: defaults, authorized=authorized)
+    trigger = "/api/v2/dags/distributed_training/dagRuns"
+    for conf in ({"steps": 10}, None):
+        status, body, reached = _request(check, trigger, json.dumps({"conf": conf}).encode())
+        assert (status, reached) == (400, []), body
+        assert json.loads(body)["detail"].startswith("config field 'world_size': 8 is refused by the deployment "
+                                                     "policy (rule ceilings of runtime cpu: ranks)")
+    status, _, reached = _request(check, trigger, json.dumps({"conf": {"world_size": 2}}).encode())
+    assert status == 200 and len(reached) == 1
+    status, _, reached = _request(check, "/api/v2/dags/register_dataset/dagRuns", json.dumps({"conf": None}).encode())
+    assert status == 200 and len(reached) == 1
