@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from training.config.fields import ConfigError
 
@@ -180,12 +180,13 @@ class Policy(_Strict):
     code: Code = Field(default_factory=Code)
     data: Data = Field(default_factory=Data)
 
-    @model_validator(mode="after")
-    def _names(self) -> "Policy":
-        for name in self.runtimes:
+    @field_validator("runtimes")
+    @classmethod
+    def _names(cls, v: dict[str, Runtime]) -> dict[str, Runtime]:
+        for name in v:
             if not _DNS_LABEL.match(name):
                 raise ValueError(f"runtime name {name!r} is not lower-case letters, digits and '-'")
-        return self
+        return v
 
     def ceilings_of(self, runtime: str) -> Ceilings:
         """The deployment's ceilings, tightened by the runtime's own."""
@@ -216,12 +217,14 @@ def _where(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "(top level)"
 
 
-def parse(text: str, source: str) -> Loaded:
-    """A policy from YAML text; ``PolicyFileError`` names ``source`` and the key."""
+def parse(text: str | bytes, source: str) -> Loaded:
+    """A policy from YAML (the file's bytes, or text); ``PolicyFileError`` names ``source`` and the key."""
     import yaml
 
+    data = text.encode() if isinstance(text, str) else text
+
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.safe_load(data)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" line {mark.line + 1}" if mark is not None else ""
@@ -239,12 +242,12 @@ def parse(text: str, source: str) -> Loaded:
         if first["type"] == "extra_forbidden":
             message = "is not a key of the policy (see docs/operations.md, 'Deployment policy')"
         raise PolicyFileError(f"policy file {source}: key {_where(first['loc'])}: {message}") from None
-    return Loaded(policy, source, hashlib.sha256(text.encode()).hexdigest())
+    return Loaded(policy, source, hashlib.sha256(data).hexdigest())
 
 
 @functools.lru_cache(maxsize=8)
 def _load_file(path: str, _mtime_ns: int, _size: int) -> Loaded:
-    return parse(Path(path).read_text(), path)
+    return parse(Path(path).read_bytes(), path)
 
 
 def load(path: str | None = None) -> Loaded:

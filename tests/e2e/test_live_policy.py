@@ -63,7 +63,7 @@ data:
         "TRAINING_POLICY": str(policy_file), "TRAINING_BACKENDS": "local,kubernetes", "TRAINING_SCHEDULE": "none",
         "TRAINING_MAX_ACTIVE_RUNS": "2", "PYTHONPATH": str(code)})
     try:
-        airflow.start()
+        airflow.start(triggerer=False)  # nothing here defers
         airflow.wait_for_dags(TRAIN, ON_DATA)
         yield {"af": airflow, "marker": marker, "store": store, "policy": policy_file}
     finally:

@@ -58,7 +58,7 @@ CPU = {"runtime": "cpu", "backend": "local", "world_size": 2, "steps": 100, "mod
      "is neither a registry prefix ending in '/'"),
     ("runtimes: {gpu: {namespaces: [Team_A]}}", "key runtimes.gpu.namespaces: 'Team_A' is not a Kubernetes namespace"),
     ("runtimes: {}", "key runtimes: Dictionary should have at least 1 item"),
-    ("runtimes: {GPU: {}}", "runtime name 'GPU' is not lower-case"),
+    ("runtimes: {GPU: {}}", "key runtimes: runtime name 'GPU' is not lower-case"),
     ("code: {model_prefixes: ['team models']}", "key code.model_prefixes: 'team models' is not a dotted module name"),
     ("data: {store_uri: [relative/folder]}", "key data.store_uri: 'relative/folder' is neither an absolute folder"),
     ("runtimes: {gpu: {tolerations: [{operator: Maybe}]}}", "key runtimes.gpu.tolerations.0.operator: Input should be"),
@@ -91,6 +91,9 @@ def test_no_file_is_the_permissive_default_and_an_edit_is_a_new_version(tmp_path
     path.write_text(TEAM.replace("ranks: 4", "ranks: 3"))
     second = policy.load(str(path))
     assert first.sha256 != second.sha256 and second.policy.runtimes["cpu"].ceilings.ranks == 3
+    import hashlib
+
+    assert second.sha256 == hashlib.sha256(path.read_bytes()).hexdigest() and second.source == str(path)
 
 
 def test_conf_within_the_policy_passes(team):
