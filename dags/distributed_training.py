@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import dag, task
 
-from training_airflow import backends, lifecycle, settings
+from training_airflow import backends, lifecycle, policy, settings
 from training_airflow.assets import TRAINING_DATASET
 from training_airflow.params import training_params
 from training_airflow.wiring import body_task
@@ -79,8 +79,10 @@ def pipeline():
     report(register(evaluate(handoff)))
 
 
+# The policy's wall-clock ceiling (TRAINING_POLICY; none by default) ends a run that takes longer.
+WALL_CLOCK_S = policy.load().policy.form_maximum("wall_clock_s")
 COMMON = dict(start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=settings.max_active_runs(),
-              default_args=DEFAULT_ARGS)
+              default_args=DEFAULT_ARGS, dagrun_timeout=timedelta(seconds=WALL_CLOCK_S) if WALL_CLOCK_S else None)
 
 # Schedule: TRAINING_SCHEDULE (cron or preset, `none` to switch it off); see docs/operations.md.
 distributed_training = dag(dag_id="distributed_training", schedule=settings.training_schedule(),

@@ -31,7 +31,7 @@ LAYERS = [
 # The Airflow side, bottom first: every module imports only modules of its own layer's left or
 # below (a module of a layer may import the ones listed before it in the same layer).
 AIRFLOW_LAYERS = [
-    ("training_airflow.settings", "training_airflow.wiring", "training_airflow.conf_check"),
+    ("training_airflow.settings", "training_airflow.wiring", "training_airflow.policy", "training_airflow.conf_check"),
     ("training_airflow.handoff", "training_airflow.failures", "training_airflow.connections", "training_airflow.run_config",
      "training_airflow.mlflow_run"),
     ("training_airflow.assets", "training_airflow.links", "training_airflow.lifecycle", "training_airflow.inprocess_logs"),

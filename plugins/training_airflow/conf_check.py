@@ -6,7 +6,8 @@ for the three places that check:
 - ``scripts/demo.py --set``, before anything runs (exit code 2);
 - ``ConfCheck``, an ASGI middleware the project's plugin (plugins/training_links.py) adds to the
   api-server: a ``POST /api/v2/dags/{dag_id}/dagRuns`` (the REST API, and the web UI's trigger
-  form, which posts there) for a DAG of ``CHECKED_DAGS`` gets 400 with the message, no run;
+  form, which posts there) for a DAG of ``CHECKED_DAGS`` gets 400 with the message, no run (and
+  so does a training run outside the deployment's policy: ``policy.check``);
 - ``open_run``, the first task, for runs made another way (``airflow dags trigger --conf``,
   TriggerDagRunOperator).
 
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 # The DAGs of dags/ that have Params (tests/dags checks this list against the DAG folder).
 CHECKED_DAGS = frozenset({"distributed_training", "distributed_training_on_data", "register_dataset",
                           "training_benchmark"})
+# The DAGs whose runs the deployment's policy bounds (training_airflow/policy.py).
+POLICY_DAGS = frozenset({"distributed_training", "distributed_training_on_data"})
 TRIGGER_PATH = re.compile(r"/api/v2/dags/(?P<dag_id>[^/]+)/dagRuns/?$")
 MAX_BODY = 1 << 20  # a larger trigger body is passed on unread (Airflow answers it)
 
@@ -77,8 +80,9 @@ def check_conf(conf: Mapping[str, Any] | None, known: Iterable[str], *, dag_id: 
 
 class ConfCheck:
     """ASGI middleware: a trigger (``POST .../api/v2/dags/{dag_id}/dagRuns``) of a DAG in
-    ``dag_ids`` whose ``conf`` names something that is not one of the DAG's Params is answered 400
-    with ``{"detail": <the message>}``, before Airflow creates a run. Everything else passes
+    ``dag_ids`` whose ``conf`` names something that is not one of the DAG's Params, or (a training
+    DAG) asks for something the deployment's policy refuses, is answered 400 with
+    ``{"detail": <the message>}``, before Airflow creates a run. Everything else passes
     through untouched, as do triggers of a caller who may not trigger the DAG (Airflow answers
     them 401 or 403 itself) and any the check cannot read (the ``open_run`` backstop remains).
 
@@ -86,7 +90,7 @@ class ConfCheck:
     against: read from the metadata DB (``declared``), never by parsing the DAG folder."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], dag_ids: Iterable[str] = CHECKED_DAGS,
-                 declared: Callable[[Any, str], list[str] | None] | None = None,
+                 declared: Callable[[Any, str], Iterable[str] | None] | None = None,
                  authorized: Callable[[dict, str], Awaitable[bool]] | None = None) -> None:
         self.app = app
         self.dag_ids = frozenset(dag_ids)
@@ -117,12 +121,29 @@ class ConfCheck:
             conf = json.loads(body).get("conf") if body else None
         except (ValueError, AttributeError):  # not a JSON object: Airflow answers 422
             return None
-        if not isinstance(conf, dict) or not conf or not await self.authorized(scope, dag_id):
+        conf = {} if conf is None else conf  # the defaults alone are bounded by the policy too
+        if not isinstance(conf, dict) or not (conf or dag_id in POLICY_DAGS) or not await self.authorized(scope, dag_id):
             return None
         from starlette.concurrency import run_in_threadpool
 
         known = await run_in_threadpool(self.declared, scope.get("app"), dag_id)
-        return None if known is None else unknown_fields_error(conf, known, dag_id=dag_id)
+        if known is None:
+            return None
+        error = unknown_fields_error(conf, known, dag_id=dag_id)
+        if error is None and dag_id in POLICY_DAGS and isinstance(known, Mapping):
+            error = _outside_policy({**known, **conf})
+        return error
+
+
+def _outside_policy(params: dict[str, Any]) -> ConfigError | None:
+    """The ``PolicyError`` of a run's Params (the DAG's defaults and the conf) outside the deployment's policy."""
+    from training_airflow import policy, settings
+
+    try:
+        policy.check(params, resolve=settings.resolve_path)
+    except policy.PolicyError as e:
+        return e
+    return None
 
 
 async def _read_body(receive: Callable) -> tuple[bytes | None, Callable]:
@@ -147,8 +168,9 @@ async def _read_body(receive: Callable) -> tuple[bytes | None, Callable]:
     return body, replay
 
 
-def _declared_params(app: Any, dag_id: str) -> list[str] | None:
-    """The Params of the DAG's latest serialized version (``None``: no such DAG, Airflow says so)."""
+def _declared_params(app: Any, dag_id: str) -> dict[str, Any] | None:
+    """The Params of the DAG's latest serialized version and their defaults (``None``: no such DAG,
+    Airflow says so)."""
     from airflow.utils.session import create_session
 
     dag_bag = getattr(getattr(app, "state", None), "dag_bag", None)
@@ -158,7 +180,7 @@ def _declared_params(app: Any, dag_id: str) -> list[str] | None:
         dag_bag = DBDagBag()
     with create_session() as session:
         dag = dag_bag.get_latest_version_of_dag(dag_id, session=session)
-    return None if dag is None else list(dag.params.keys())
+    return None if dag is None else {name: dag.params[name] for name in dag.params}
 
 
 async def _may_trigger(scope: dict, dag_id: str) -> bool:

@@ -18,7 +18,7 @@ from airflow.sdk import Param
 
 from training.config.train_config import TrainConfig
 from training.config.fields import Spec, json_schema, knob, specs
-from training_airflow import settings
+from training_airflow import policy, settings
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 RUN = "Run: where it is recorded and stored"
@@ -37,6 +37,10 @@ class RunParams:
         "local", "local: torchrun on the Airflow worker (world_size ranks); kubernetes: an Indexed Job of k8s_nnodes "
         "pods on a cluster (the Kubernetes section). The form offers the backends the deployment enables "
         "(TRAINING_BACKENDS)", title="Backend", tag=True)
+    runtime: str = knob(
+        "default", "where the run may run, as the platform defined it in the deployment's policy file "
+        "(TRAINING_POLICY): image, namespace, Secrets and the most it may ask for. The form offers the policy's "
+        "runtimes", title="Runtime", pattern=NAME_PATTERN, tag=True)
     world_size: int = knob(2, "training processes on the worker (torchrun --nproc-per-node) with backend=local; on "
                            "Kubernetes the pods decide (k8s_nnodes x k8s_gpus_per_node)", title="World size (ranks)",
                            minimum=1, maximum=64, tag=True)
@@ -94,13 +98,35 @@ def param(spec: Spec, default: Any = None, **overrides: Any) -> Param:
                  description=description[:1].upper() + description[1:] + ".", **schema)
 
 
-def training_params(backends: list[str] | None = None) -> dict[str, Param]:
+# Params whose form maximum is a ceiling of the policy (the largest any runtime allows).
+CEILING_PARAMS = {"world_size": ("ranks", "local"), "steps": ("steps", None), "k8s_nnodes": ("nodes", "kubernetes"),
+                  "k8s_min_nodes": ("nodes", "kubernetes"), "k8s_gpus_per_node": ("gpus_per_node", "kubernetes"),
+                  "k8s_active_deadline_s": ("wall_clock_s", "kubernetes")}
+
+
+def training_params(backends: list[str] | None = None, loaded: policy.Loaded | None = None) -> dict[str, Param]:
     """The Params of ``distributed_training`` and ``distributed_training_on_data`` (the enabled
-    backends', unless ``backends`` names others)."""
+    backends', unless ``backends`` names others), bounded by the deployment's policy: the runtimes
+    as a dropdown, its ceilings as maxima, so the form and the REST API refuse more."""
     backends = backends or settings.enabled_backends()
-    defaults = {**deployment_defaults(), "backend": "local" if "local" in backends else backends[0]}
-    choice = {"backend": {"enum": backends}}  # only what this deployment can run
-    return {s.name: param(s, defaults.get(s.name), **choice.get(s.name, {})) for s in form_specs(backends)}
+    rules = (loaded or policy.load()).policy
+    defaults = {**deployment_defaults(), "backend": "local" if "local" in backends else backends[0],
+                "runtime": next(iter(rules.runtimes))}
+    choice: dict[str, dict[str, Any]] = {"backend": {"enum": backends}, "runtime": {"enum": list(rules.runtimes)}}
+    for name, (ceiling, backend) in CEILING_PARAMS.items():
+        bound = rules.form_maximum(ceiling, backend)
+        if bound is not None:
+            choice[name] = {"maximum": bound}
+    out = {}
+    for s in form_specs(backends):
+        default = defaults.get(s.name, s.default)
+        bound = choice.get(s.name, {}).get("maximum")
+        if bound is not None and s.maximum is not None:
+            choice[s.name]["maximum"] = bound = min(bound, s.maximum)
+        if bound is not None and isinstance(default, int) and default > bound:
+            default = bound  # the form's default must be one the policy allows
+        out[s.name] = param(s, default, **choice.get(s.name, {}))
+    return out
 
 
 def run_tags(params: dict[str, Any]) -> dict[str, str]:

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from training_airflow import backends, lifecycle, links, settings
+from training_airflow import backends, lifecycle, links, policy, settings
 from training_airflow.conf_check import check_conf
 from training_airflow.connections import store_env
 from training_airflow.failures import fails_fast
@@ -92,15 +92,21 @@ def open_run(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_ur
     get the resolved folder through ``RunOpened``. ``dag_run`` (the task context's) gives the MLflow
     run the link back to Airflow, and its conf is checked first: a key that is not a Param (a run
     made past the api-server's check: ``airflow dags trigger --conf``, TriggerDagRunOperator) fails
-    the run here. Earlier runs of this DAG that were cancelled are marked KILLED."""
+    the run here, and so does a run outside the deployment's policy (``policy.check``), before any
+    user code is imported; the MLflow run records the runtime, the policy's sha256 and who
+    triggered it. Earlier runs of this DAG that were cancelled are marked KILLED."""
     check_conf(getattr(dag_run, "conf", None), training_params(), dag_id=dag_id)  # Airflow let it in unchecked
+    dataset = settings.resolve_path(dataset_uri or params["dataset_uri"])
+    params = {**params, "dataset_uri": dataset}
+    # The deployment's policy, before anything of the user's is imported or any compute is spent.
+    rules = policy.load()
+    runtime = policy.check(params, rules, resolve=settings.resolve_path)
+    log.info("within the deployment %s: runtime %s", policy.describe(rules), runtime)
     settings.ensure_tracking_uri()
     from training.config.train_config import check_path_part
     from training.store import check_writable
     from training.tracking.run import open_run as open_mlflow_run
 
-    dataset = settings.resolve_path(dataset_uri or params["dataset_uri"])
-    params = {**params, "dataset_uri": dataset}
     experiment = check_path_part("experiment", params["experiment"])
     world_size = backends.check_params(params)  # the backend's rules, before any rank starts
     train_config(params)
@@ -110,11 +116,15 @@ def open_run(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_ur
     run_id = open_mlflow_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=run_name(params, world_size),
                              tags={**run_tags(params), "world_size": str(world_size)})
     logger = run_logger(run_id)
+    logger.set_tags(policy.record(rules, runtime, getattr(dag_run, "triggering_user_name", None)))
     if dag_run is not None:
         logger.set_tags(links.airflow_tags(dag_run))
     log.info("MLflow run %s (experiment %s): %s", run_id, experiment, links.mlflow_run_page(dag_id, dag_run_id))
     # Earlier runs of this DAG that were cancelled (no callback tells us) are KILLED from here on.
     lifecycle.reconcile(logger.client.get_run(run_id).info.experiment_id, dag_id=dag_id, current_run_id=dag_run_id)
+    from training.tracking.page import describe
+
+    describe(run_id)  # from the start the run's page says who asked for it and under which policy
     return RunOpened(mlflow_run_id=run_id, dataset_uri=dataset)
 
 

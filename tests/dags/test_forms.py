@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXED_CHOICES = ("strategy", "precision", "comm_hook", "backend", "task", "gate_metric")
+FIXED_CHOICES = ("strategy", "precision", "comm_hook", "backend", "runtime", "task", "gate_metric")
 
 PROBE = r"""
 import json, sys
@@ -114,6 +114,20 @@ def test_schedule_follows_training_schedule():
     broken = parse_dags(TRAINING_SCHEDULE="every night")
     (error,) = broken["errors"].values()
     assert "TRAINING_SCHEDULE='every night' is not a cron expression" in error
+
+
+def test_the_deployment_policy_is_read_when_the_dags_are_parsed(tmp_path):
+    """The form offers the policy's runtimes and its ceilings as maxima; a broken policy file is an
+    import error naming the file and the key (training_airflow/policy.py)."""
+    path = tmp_path / "policy.yaml"
+    path.write_text("runtimes: {cpu: {backend: local, ceilings: {ranks: 4}}, gpu-8: {backend: kubernetes}}\n"
+                    "ceilings: {steps: 5000, wall_clock_s: 7200}\n")
+    params = parse_dags(TRAINING_POLICY=str(path))["dags"]["distributed_training"]["params"]
+    assert params["runtime"]["schema"]["enum"] == ["cpu", "gpu-8"] and params["runtime"]["default"] == "cpu"
+    assert params["world_size"]["schema"]["maximum"] == 4 and params["steps"]["schema"]["maximum"] == 5000
+    path.write_text("ceilings: {step: 5000}\n")
+    (error, *_) = parse_dags(TRAINING_POLICY=str(path))["errors"].values()
+    assert f"policy file {path}: key ceilings.step: is not a key of the policy" in error
 
 
 def test_new_data_asset_links_registration_to_retraining(parsed):

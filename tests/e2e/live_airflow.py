@@ -72,7 +72,7 @@ class LiveAirflow(AirflowAPI):
         return env
 
     # ------------------------------------------------------------------ processes
-    def start(self, timeout: float = 300) -> "LiveAirflow":
+    def start(self, timeout: float = 300, *, triggerer: bool = True) -> "LiveAirflow":
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "passwords.json").write_text(json.dumps({"admin": PASSWORD}))
         airflow = str(Path(sys.executable).parent / "airflow")
@@ -82,7 +82,7 @@ class LiveAirflow(AirflowAPI):
             "api-server": ["api-server", "--host", "127.0.0.1", "--port", str(self.port)],
             "scheduler": ["scheduler", "--skip-serve-logs"],
             "dag-processor": ["dag-processor"],
-            "triggerer": ["triggerer", "--skip-serve-logs"],
+            **({"triggerer": ["triggerer", "--skip-serve-logs"]} if triggerer else {}),
         }
         self._parts = parts
         for name in parts:

@@ -44,6 +44,9 @@ def describe(run_id: str) -> str:
     if tags.get(TAG_AIRFLOW_URL):
         lines.append(f"**Airflow run:** [{tags.get(TAG_DAG_ID, '')} / {tags.get(TAG_DAG_RUN_ID, '')}]"
                      f"({tags[TAG_AIRFLOW_URL]})")
+    if tags.get("policy.runtime"):  # who asked for the run, and under which of the deployment's rules
+        lines.append(f"**Triggered by:** {tags.get('airflow.triggered_by', '?')} · **runtime** `{tags['policy.runtime']}` "
+                     f"· **policy** `{tags.get('policy.source', '?')}` sha256 `{tags.get('policy.sha256', '')[:12]}`")
     if tags.get(TAG_AIRFLOW_NOTE):
         lines.append("**Airflow note:** " + tags[TAG_AIRFLOW_NOTE].replace("\n", " "))
     figures = [("eval accuracy", metrics.get("eval/accuracy"), ""), ("eval loss", metrics.get("eval/loss"), ""),

@@ -25,6 +25,7 @@ from kubernetes.client import models as k8s
 from airflow.providers.cncf.kubernetes.operators.job import JOB_NAME_PREFIX
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from training.distributed.elastic import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from training_airflow import policy
 
 CHECKPOINT_MOUNT = "/checkpoints"
 DATA_MOUNT = "/data"
@@ -273,6 +274,19 @@ def metrics_ports(params: dict[str, Any], cfg: dict[str, Any]) -> tuple[list[k8s
     return ports, {"prometheus.io/scrape": "true", "prometheus.io/port": str(base), "prometheus.io/path": "/metrics"}
 
 
+def s3_secret(params: dict[str, Any]) -> str:
+    """The Secret the pods' S3 keys come from: the runtime's (the deployment's policy), else ``k8s_s3_secret``."""
+    return policy.runtime_of(params).s3_secret or params["k8s_s3_secret"]
+
+
+def mlflow_env(params: dict[str, Any]) -> list[k8s.V1EnvVar]:
+    """MLflow's basic-auth credentials by reference to the runtime's Secret (none: no credentials)."""
+    secret = policy.runtime_of(params).mlflow_secret
+    return [k8s.V1EnvVar(name=var, value_from=k8s.V1EnvVarSource(
+        secret_key_ref=k8s.V1SecretKeySelector(name=secret, key=var)))
+        for var in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")] if secret else []
+
+
 def s3_env(secret: str) -> list[k8s.V1EnvVar]:
     """S3 settings by reference to a Secret: the values never appear in the pod spec."""
     return [k8s.V1EnvVar(name=var, value_from=k8s.V1EnvVarSource(
@@ -311,7 +325,10 @@ def trainer_resources(params: dict[str, Any]) -> k8s.V1ResourceRequirements:
 
 
 def _common_pod_kwargs(params: dict[str, Any], names_: Names) -> dict[str, Any]:
-    pull = [k8s.V1LocalObjectReference(name=params["k8s_image_pull_secret"])] if params.get("k8s_image_pull_secret") else []
+    runtime = policy.runtime_of(params)  # the platform's placement and Secrets win over the Params
+    pull_secret = runtime.image_pull_secret or params.get("k8s_image_pull_secret")
+    pull = [k8s.V1LocalObjectReference(name=pull_secret)] if pull_secret else []
+    selector = {**{str(k): str(v) for k, v in dict(params.get("k8s_node_selector") or {}).items()}, **runtime.node_selector}
     return {
         "kubernetes_conn_id": params["kubernetes_conn_id"],
         "namespace": names_.namespace,
@@ -321,7 +338,8 @@ def _common_pod_kwargs(params: dict[str, Any], names_: Names) -> dict[str, Any]:
         "security_context": pod_security_context(),
         "container_security_context": container_security_context(),
         "automount_service_account_token": False,  # the pods never talk to the Kubernetes API
-        "node_selector": {str(k): str(v) for k, v in dict(params.get("k8s_node_selector") or {}).items()},
+        "node_selector": selector,
+        **({"service_account_name": runtime.service_account} if runtime.service_account else {}),
     }
 
 
@@ -379,7 +397,8 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
            k8s.V1EnvVar(name="MLFLOW_TRACKING_URI", value=tracking_uri),
            k8s.V1EnvVar(name="MLFLOW_RUN_ID", value=mlflow_run_id),
            *metrics_env(params, dag_run_id),
-           *s3_env(params["k8s_s3_secret"]),
+           *mlflow_env(params),
+           *s3_env(s3_secret(params)),
            *[k8s.V1EnvVar(name=k, value=str(v)) for k, v in sorted(dict(params.get("k8s_nccl_env") or {}).items())]]
     check = k8s.V1Container(
         name=CHECK_CONTAINER, image=params["k8s_image"], image_pull_policy=params["k8s_image_pull_policy"],
@@ -387,7 +406,7 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
         # pods' own S3 Secret: a missing bucket or refused keys fail the Job at once (exit 2).
         command=["python", "-m", "training", "train", "--print-config", *(["--check-access"] if in_store(params) else []),
                  *set_args(train_config)],
-        env=[*_base_env(), pod_ip_env(), *(s3_env(params["k8s_s3_secret"]) if in_store(params) else [])],
+        env=[*_base_env(), pod_ip_env(), *(s3_env(s3_secret(params)) if in_store(params) else [])],
         security_context=container_security_context(),
         resources=k8s.V1ResourceRequirements(requests={"cpu": "100m", "memory": "256Mi"},
                                              limits={"cpu": "1", "memory": "1Gi"}),
@@ -395,6 +414,7 @@ def job_operator_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id:
     )
     tolerations = ([k8s.V1Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")]
                    if int(params["k8s_gpus_per_node"]) else [])
+    tolerations += [k8s.V1Toleration(**t.model_dump(exclude_none=True)) for t in policy.runtime_of(params).tolerations]
     return {
         **_common_pod_kwargs(params, names_),
         "name": names_.job_base,
@@ -441,7 +461,7 @@ def upload_pod_kwargs(params: dict[str, Any], names_: Names, *, mlflow_run_id: s
         "arguments": [_escape(a) for a in (
             "--checkpoint", final_checkpoint_dir(params, names_), "--store-uri", params["store_uri"],
             "--experiment", params["experiment"], "--run-id", mlflow_run_id)],
-        "env_vars": [*_base_env(), *s3_env(params["k8s_s3_secret"])],
+        "env_vars": [*_base_env(), *s3_env(s3_secret(params))],
         "volumes": volumes,
         "volume_mounts": mounts,
         # Upload streams files in 16 MiB parts: small and steady whatever the checkpoint size.
