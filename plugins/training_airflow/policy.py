@@ -375,7 +375,7 @@ def runtime_of(params: dict[str, Any], loaded: Loaded | None = None) -> Runtime:
 def record(loaded: Loaded, runtime: str, triggered_by: str | None) -> dict[str, str]:
     """The MLflow tags that say under what a run ran and who asked for it."""
     return {"policy.runtime": runtime, "policy.sha256": loaded.sha256, "policy.source": loaded.source,
-            "airflow.triggered_by": triggered_by or "(scheduler or asset event)"}
+            "airflow.triggered_by": triggered_by or "(no Airflow user)"}
 
 
 def describe(loaded: Loaded) -> str:

@@ -199,6 +199,7 @@ def test_the_run_records_who_triggered_it_and_under_which_policy(team):
     tags = policy.record(team, "gpu-8", "alice")
     assert tags == {"policy.runtime": "gpu-8", "policy.sha256": team.sha256, "policy.source": team.source,
                     "airflow.triggered_by": "alice"}
+    assert policy.record(team, "cpu", None)["airflow.triggered_by"] == "(no Airflow user)"  # scheduled, dag.test
 
 
 def test_the_documented_example_is_a_valid_policy(tmp_path):
