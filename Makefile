@@ -45,7 +45,7 @@ demo: $(STAMP)
 # 14). tests/conftest.py keeps the live stack and the image on one worker each.
 PYTEST_WORKERS ?= 3
 test: $(STAMP) chromium podman
-	$(WITH_ENV) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
+	$(WITH_ENV) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=30
 
 # The tests not marked slow (no live Airflow, no full DAG runs): a few minutes, for a quick check.
 test-fast: $(STAMP)

@@ -1,62 +1,68 @@
-"""A memory limit for a test's child processes, set the way a container runtime sets a pod's memory
-limit: a cgroup v1 memory group (as root: ``mkdir /sys/fs/cgroup/memory/<name>``, the limit in
-``memory.limit_in_bytes``, the process's pid in ``cgroup.procs``; its children inherit the group).
-Going over it gets a process OOM-killed, as in a pod. The group is removed afterwards."""
+"""A memory limit on a process tree, set as the container runtime sets a pod's: a cgroup v1
+memory group (``/sys/fs/cgroup/memory/<name>``) whose ``memory.limit_in_bytes`` is the limit; a
+process started in it (and every child it forks) is charged there, and the kernel's OOM killer
+ends it past the limit. Needs root and the v1 memory controller; ``available()`` says."""
 
 from __future__ import annotations
 
-import contextlib
 import os
+import signal
 import time
-import uuid
 from pathlib import Path
-from typing import Iterator
 
 ROOT = Path("/sys/fs/cgroup/memory")
 
 
 def available() -> bool:
-    """Root, and the cgroup v1 memory controller mounted."""
-    return os.geteuid() == 0 and (ROOT / "memory.limit_in_bytes").is_file()
+    return os.geteuid() == 0 and (ROOT / "memory.limit_in_bytes").is_file() and os.access(ROOT, os.W_OK)
 
 
 class MemoryGroup:
-    def __init__(self, path: Path):
-        self.path = path
+    """``with MemoryGroup(name, limit) as g:`` a fresh group (removed on exit, its processes killed
+    first); ``g.enter`` is a ``preexec_fn`` that puts the child in it before it runs anything."""
 
-    def join(self) -> None:
-        """Put the calling process in the group: ``preexec_fn=group.join`` for a child."""
+    def __init__(self, name: str, limit_bytes: int) -> None:
+        self.path = ROOT / f"{name}-{os.getpid()}"
+        self.limit = limit_bytes
+
+    def __enter__(self) -> "MemoryGroup":
+        self.path.mkdir()
+        (self.path / "memory.limit_in_bytes").write_text(str(self.limit))
+        (self.path / "memory.swappiness").write_text("0")
+        return self
+
+    def enter(self) -> None:
         (self.path / "cgroup.procs").write_text(str(os.getpid()))
 
     def read(self, name: str) -> int:
-        return int((self.path / name).read_text().split()[0])
+        return int((self.path / f"memory.{name}").read_text().split()[0])
 
     @property
     def peak(self) -> int:
-        return self.read("memory.max_usage_in_bytes")
+        """The most the group was charged (resident memory and the page cache of files written)."""
+        return self.read("max_usage_in_bytes")
 
     @property
     def oom_kills(self) -> int:
-        stats = dict(line.split() for line in (self.path / "memory.oom_control").read_text().splitlines())
-        return int(stats.get("oom_kill", 0))
+        for line in (self.path / "memory.oom_control").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
 
-
-@contextlib.contextmanager
-def memory_limit(limit_bytes: int, name: str = "") -> Iterator[MemoryGroup]:
-    """A fresh memory group limited to ``limit_bytes`` (swap included when the kernel accounts it)."""
-    path = ROOT / f"test-{name or 'mem'}-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    try:
-        (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        if (path / "memory.memsw.limit_in_bytes").is_file():  # no swap past the limit either
-            (path / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
-        yield MemoryGroup(path)
-    finally:
-        for _ in range(50):  # the group can go once its processes have exited
-            with contextlib.suppress(OSError):
-                for pid in (path / "cgroup.procs").read_text().split():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), 9)
-                path.rmdir()
+    def __exit__(self, *exc) -> None:
+        for _ in range(50):
+            pids = [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
+            if not pids:
                 break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             time.sleep(0.1)
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:  # busy for a moment after its last process exits
+                time.sleep(0.1)

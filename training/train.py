@@ -36,10 +36,12 @@ from training.distributed import faults, parallel, precision
 from training.distributed.launch import EXIT_PREEMPTED
 from training.distributed.resilience import Phase, Preempted, Preemption, RankRecord, ReplicaCheck
 from training.evaluate import Evaluator
+from training.metrics.memory import Estimate, tame_malloc
+from training.metrics.preflight import preflight_rank
 from training.metrics.recorder import MetricsRecorder
 from training.metrics.startup import StartupClock
 from training.metrics.steps import RunClock, StepLog, StepResult
-from training.models.build import build_model, check_model
+from training.models.build import build_for_training, check_model
 from training.models.loss import loss_fn, split_batch
 from training.models.spec import ModelSpec
 from training.store import check_writable
@@ -76,13 +78,16 @@ class Prepared:
     spec: ModelSpec
     train: Split
     blocks: NpyBlocks | None = None
+    memory: Estimate | None = None  # this rank's estimated peak (the memory preflight)
 
 
-def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:
+def prepare(cfg: TrainConfig, dataset: Dataset | None = None,
+            memory_check: Callable[[ModelSpec, Split], Estimate] | None = None) -> Prepared:
     """The data and the model spec, checked: the dataset opened (S3 through the local cache; data
     that changed since the gate refused), described, its train split read, the normalization
     statistics computed once from it, and the model built and run on two rows. Raises
-    ConfigError naming the field to fix. ``dataset``: one already open (the Airflow pre-launch check)."""
+    ConfigError naming the field to fix. ``dataset``: one already open (the Airflow pre-launch check).
+    ``memory_check``: the memory preflight, before the model is first built (on fake tensors)."""
     if dataset is None and cfg.token_shards:  # text: the windows the tokenize step made, verified
         dataset = open_shards(cfg.token_shards)
     elif dataset is None and cfg.text_column:
@@ -97,15 +102,19 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None) -> Prepared:
     # Token shards stream (training/data/stream.py): only the rows the model check runs on are read here.
     blocks = dataset.blocks("train") if isinstance(dataset, TokenDataset) else None
     train = dataset.split("train", limit=2) if blocks is not None else dataset.split("train")
+    if blocks is not None:  # what a rank holds of the split: the stream's buffer (the memory preflight)
+        train.held_bytes = blocks.held_bytes(cfg.shuffle_window)
     spec = ModelSpec.for_data(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads,
                               dropout=cfg.dropout, model_args=cfg.model_args, train=train)
+    memory = memory_check(spec, train) if memory_check is not None else None
     check_model(spec, train.features[:2], strategy=cfg.strategy)
-    return Prepared(dataset=dataset, spec=spec, train=train, blocks=blocks)
+    return Prepared(dataset=dataset, spec=spec, train=train, blocks=blocks, memory=memory)
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Check everything that can be checked, then train. Raises ConfigError before any process
     group exists when the config, the launch size, the hardware, the dataset or the model don't fit."""
+    tame_malloc()  # before the model: a CPU rank's resident set then follows what is live
     startup = StartupClock()
     startup.mark("imports")  # the interpreter's start and the imports (torch, the trainer)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -114,7 +123,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     if not cfg.checkpoint_dir:
         raise ConfigError("checkpoint_dir", "is empty", "pass a folder, file:///folder or s3://bucket/prefix")
     check_writable(cfg.checkpoint_dir, field="checkpoint_dir")  # a missing bucket or denied keys: exit 2
-    prepared = prepare(cfg)
+    # A run that cannot fit this machine's memory: exit 2, before any rank builds its model.
+    prepared = prepare(cfg, memory_check=lambda spec, train: preflight_rank(cfg, spec, train, world))
     startup.mark("data")
 
     info = parallel.init(cfg.collective_timeout_s)
@@ -138,9 +148,11 @@ class Trainer:
         self.record = RankRecord(Path(cfg.output_dir) if cfg.output_dir else None, info.rank)
         self.phase = Phase(self.record, cfg.collective_timeout_s)
         _seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
-        # Training mode explicitly: from_pretrained (an hf: folder with weights) returns a model in
-        # eval mode, which would train with its dropout off.
-        self.model, self.comm_timer = parallel.parallelize(build_model(spec, pretrained=True).train(), cfg, info)
+        # Built on the meta device; its weights are set after sharding, keyed by (seed, name).
+        # Training mode explicitly: from_pretrained (a factory under ddp may load weights) can
+        # return a model in eval mode, which would train with its dropout off.
+        model, initial = build_for_training(spec, seed=cfg.seed, strategy=cfg.strategy)
+        self.model, self.comm_timer = parallel.parallelize(model.train(), cfg, info, initial)
         # DDP: the fused AdamW kernel, one call per step instead of a Python loop over the
         # parameters (a seventh of the demo MLP's step on one CPU core). FSDP2's sharded
         # parameters keep torch's default implementation.
@@ -173,6 +185,7 @@ class Trainer:
                                         metrics_log=self.metrics_log, clock=clock, restarts=self.restarts, phase=self.phase)
         self.evaluator = Evaluator(cfg, info, self.model, spec, prepared.dataset, metrics_log=self.metrics_log,
                                    clock=clock, recorder=self.recorder, phase=self.phase)
+        self.recorder.memory_estimate = prepared.memory
         self.evaluator.on_eval.append(self.checkpointer.note_eval)  # retention keeps the best by eval/loss
         self.replicas = ReplicaCheck(self.model, info, cfg.replica_check_every, self.phase)
         self.preemption = Preemption(cfg.preempt_grace_s, log_every=cfg.log_every, device=info.device,
@@ -203,6 +216,7 @@ class Trainer:
                     self._loop()
                 with self.phase("final export"):
                     self.preemption.drain()
+                    self.optimizer.zero_grad(set_to_none=True)  # not saved: room for the export's gather
                     final_uri = self.checkpointer.finalize(self.state, self.model, self.spec, self.tokenizer_file)
         finally:
             self.recorder.close()

@@ -224,9 +224,30 @@ def check_model(params: dict[str, Any], cfg: Any, data: Any, *, token_shards: st
 
     if token_shards:
         cfg = dataclasses.replace(cfg, token_shards=token_shards)
-    spec = prepare(cfg, data).spec
+    spec = prepare(cfg, data, memory_check=lambda spec, train: check_memory(params, cfg, spec, train)).spec
     gate_metric(params.get("gate_metric", "auto"), spec.task)
     log.info("model %s checked on two rows: %s, %s", cfg.model, spec.kind, spec.task)
+
+
+def check_memory(params: dict[str, Any], cfg: Any, spec: Any, train: Any) -> Any:
+    """The memory preflight before launch: each rank's estimated peak against its share of the
+    memory the backend gives it (before the model is built); a ConfigError names the changes that
+    fit. Returns the estimate (None: not checked here). The ranks check again, where they run."""
+    from training.metrics.memory import estimate_run
+    from training.metrics.preflight import check, has_blocks
+
+    budget, world = backends.memory_budget(params)
+
+    def estimate_for(c: Any, ws: int) -> Any:
+        return estimate_run(c, spec, train, world_size=ws)
+
+    if budget is None:
+        log.info("memory: the ranks check their GPU's free memory themselves")
+        return None
+    est = estimate_for(cfg, world)
+    log.info("memory: each rank's estimated peak %s; budget %s", est.line(), budget.describe())
+    check(est, budget, cfg, world, estimate_for=estimate_for, has_blocks=has_blocks(cfg), where="(checked before launch)")
+    return est
 
 
 def dataset_from_events(triggering_asset_events: Any) -> str | None:

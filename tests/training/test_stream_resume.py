@@ -45,7 +45,7 @@ def _run(group, data, uri, root, *, env=None, max_restarts=0):
                            master_port=free_port(), max_restarts=max_restarts)
     full_env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}, "GLOO_SOCKET_IFNAME": "lo",
                 "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env, preexec_fn=group.join)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env, preexec_fn=group.enter)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
 
@@ -64,7 +64,7 @@ def test_data_larger_than_the_memory_limit_trains_and_resumes_bit_identical(big_
     data, uri, windows = big_shards
     assert (Path(uri.removeprefix("file://")) / "train.npy").stat().st_size > LIMIT
     base, killed = tmp_path / "base", tmp_path / "killed"
-    with memlimit.memory_limit(LIMIT, "stream") as group:
+    with memlimit.MemoryGroup("stream", LIMIT) as group:
         _run(group, data, uri, base)
         proc = _run(group, data, uri, killed, max_restarts=1, env={"TRAINING_FAULT_KILL_AT_STEP": "15:1"})
         assert group.oom_kills == 0, "a process of the job was OOM-killed"

@@ -13,7 +13,7 @@ import datetime
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -105,8 +105,12 @@ HOOKS = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compre
          "bf16": default_hooks.bf16_compress_hook}
 
 
-def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommTimer]:
+def parallelize(model: nn.Module, cfg, info: DistInfo,
+                initial: Callable[[nn.Module, torch.device], None] | None = None) -> tuple[nn.Module, CommTimer]:
     """Wrap ``model`` for ``cfg.strategy``; returns the wrapped model and its comm timer.
+    ``initial``: gives a model built on the meta device its weights on ``info.device`` (a
+    ``models.materialize.InitialWeights``): under fsdp after sharding, so each rank allocates and
+    fills only its shards; under ddp before wrapping.
 
     ddp: DistributedDataParallel with bucketed all-reduce overlapped with backward, gradients as
     views into the buckets (no extra copy), and the chosen (timed) comm hook.
@@ -115,7 +119,10 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
     direct child holding parameters) and then the root; with
     precision=bf16 parameters are all-gathered and computed in bf16, gradients reduced in fp32.
     """
-    model = model.to(info.device)
+    if initial is not None and cfg.strategy != "fsdp":
+        initial(model, info.device)
+    if not any(p.is_meta for p in model.parameters()):
+        model = model.to(info.device)
     activations.apply(model, cfg.activation_checkpointing)  # before wrapping: FSDP2's hooks stay outside it
     timer = CommTimer(info.device)
     if cfg.strategy == "ddp":
@@ -141,6 +148,8 @@ def parallelize(model: nn.Module, cfg, info: DistInfo) -> tuple[nn.Module, CommT
             for unit in units:
                 unit.set_custom_all_gather(all_gather)
                 unit.set_custom_reduce_scatter(reduce_scatter)
+        if initial is not None:
+            initial(model, info.device)
         return model, timer
     raise ValueError(f"unknown strategy {cfg.strategy!r}")
 

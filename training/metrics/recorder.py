@@ -25,12 +25,14 @@ from training import log
 from training.distributed.comm import CommTimer
 from training.distributed.parallel import DistInfo, full_tensor, local_state_bytes
 from training.metrics.formulas import lineage_summary
+from training.metrics.memory import Estimate, log_estimate
 from training.metrics.peak import peak_flops, peak_memory_bytes
 from training.models.spec import ModelSpec
 from training.metrics.steps import EtaSmoother, RunClock, StepLog, StepResult, Window
 from training.tracking.system import start_system_metrics
 from training.config.fields import mlflow_record
 from training.log import logger
+from training.util import atomic_write
 from training.metrics.formulas import flops_per_sample
 
 
@@ -73,6 +75,7 @@ class MetricsRecorder:
         self.windows = 0  # closed by this attempt; the first is warm-up
         self.eta = EtaSmoother()
         self._progress_logged_at = -math.inf
+        self.memory_estimate: Estimate | None = None  # the preflight's (training/metrics/memory.py)
 
     # ------------------------------------------------------------------ start and end
 
@@ -89,6 +92,8 @@ class MetricsRecorder:
             self.system_metrics = start_system_metrics(self.mlflow.run_id)
             if self.out:
                 self.step_log = StepLog(self.out, lag=1 if self.info.device.type == "cuda" else 0)
+            if self.memory_estimate is not None:
+                log_estimate(self.mlflow, self.memory_estimate)
         self.window = self._new_window(time.perf_counter())
 
     def close(self) -> None:
@@ -175,6 +180,8 @@ class MetricsRecorder:
         if step == self.cfg.steps or self.window.t_end - self._progress_logged_at >= PROGRESS_EVERY_S:
             self.mlflow.set_progress(step, self.cfg.steps, eta_s)
             self._progress_logged_at = self.window.t_end
+        if self.info.is_main and self.out and self.memory_estimate is not None:
+            self._write_memory(step, stats)
         for callback in self.on_window:
             callback(stats)
         self.window = self._new_window(self.window.t_end)  # logging and printing count in the next window
@@ -218,6 +225,8 @@ class MetricsRecorder:
             "mem/peak_bytes_max": max(peaks),
             **{f"mem/peak_bytes_rank_{r}": p for r, p in enumerate(peaks)},
         }
+        if self.memory_estimate is not None:
+            stats["mem/estimate_bytes"] = float(self.memory_estimate.total)
         if self.spec.kind in ("tokens", "text"):  # a classifier's rows: seq_len positions each, padding included
             stats["perf/tokens_per_s"] = cfg.batch_size * self.spec.seq_len / step_s
         stats["perf/mfu"] = self.flops_per_sample * stats["perf/samples_per_s"] / (self.peak_flops * info.world_size)
@@ -254,6 +263,12 @@ class MetricsRecorder:
         scale = f" | scale {stats['train/loss_scale']:.0f} skipped {self.skipped_steps}" if "train/loss_scale" in stats else ""
         logger.info(f"step {step}/{self.cfg.steps} | loss {stats['train/loss']:.4f} | "
                     f"{stats['perf/samples_per_s']:.0f} samples/s{comm}{scale} | eta {eta:.0f}s")
+
+    def _write_memory(self, step: int, stats: dict[str, float]) -> None:
+        """``output_dir/memory.json``: the estimate's terms beside each rank's measured peak so far."""
+        peaks = [stats[f"mem/peak_bytes_rank_{r}"] for r in range(self.info.world_size)]
+        atomic_write(self.out / "memory.json", json.dumps({"step": step, "estimate": self.memory_estimate.to_json(),
+                                                           "peak_bytes_rank": peaks}, indent=2))
 
     def _log_state_bytes(self, step: int) -> None:
         """Parameters + optimizer state held by this rank."""

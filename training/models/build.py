@@ -9,6 +9,7 @@ Parallelism is applied from outside; ``shard_units`` names what FSDP shards one 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 from typing import Any, Callable
@@ -20,6 +21,7 @@ from torch import nn
 
 from training.config.fields import ConfigError
 from training.models.builtin import CNN, MLP, TextClassifier, Transformer
+from training.models.materialize import InitialWeights, default_rule, meta_parameters
 from training.models.spec import ModelSpec
 
 
@@ -44,6 +46,12 @@ class Tabular(nn.Module):
     @property
     def fsdp_units(self) -> list[nn.Module]:
         return shard_units(self.model)
+
+    def init_module(self, name: str, m: nn.Module) -> None:
+        """The wrapped model's initialisation (its names without ``model.``); the statistics are
+        buffers, set in the constructor."""
+        if name == "model" or name.startswith("model."):
+            default_rule(self.model)(name.removeprefix("model").removeprefix("."), m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.standardize:
@@ -97,27 +105,57 @@ def _build_inner(spec: ModelSpec, pretrained: bool = False) -> nn.Module:
     return model
 
 
-def build_model(spec: ModelSpec, *, pretrained: bool = False) -> nn.Module:
+def build_model(spec: ModelSpec, *, pretrained: bool = False, meta: bool = False) -> nn.Module:
     """The model ``spec`` describes, with the data transform of a table inside (``Tabular``).
-    ``pretrained``: an ``hf:`` model starts from its folder's weights (where it has them)."""
-    model = _build_inner(spec, pretrained)
+    ``pretrained``: an ``hf:`` model starts from its folder's weights (where it has them).
+    ``meta``: parameters on the meta device, without values (``build_for_training``)."""
+    with meta_parameters() if meta else contextlib.nullcontext():
+        model = _build_inner(spec, pretrained and not meta)
     norm, target = spec.normalization, spec.target
     if norm is None and target is None:
         return model
     return Tabular(model, mean=norm and norm["mean"], std=norm and norm["std"], target=target)
 
 
+def build_for_training(spec: ModelSpec, *, seed: int, strategy: str) -> tuple[nn.Module, InitialWeights]:
+    """The model with its parameters on the meta device, and what gives them their initial values
+    once parallelism is applied (``InitialWeights``: drawn keyed by (seed, name), or an ``hf:``
+    folder's weights read shard by shard). A factory model under ddp is built as its function
+    builds it (its own initialisation, whatever it is); under fsdp its modules are re-initialised
+    by its ``init_module(name, module)`` or each module's ``reset_parameters``."""
+    meta = strategy == "fsdp" or not spec.is_factory
+    model = build_model(spec, pretrained=not meta, meta=meta)
+    source = None
+    if meta and spec.is_hf and spec.arch.get("pretrained"):
+        from training.models.hf import folder
+
+        source = folder(spec.model)
+    return model, InitialWeights(model, seed, pretrained=source)
+
+
 def check_model(spec: ModelSpec, example: np.ndarray, *, strategy: str = "ddp") -> None:
     """Build the model and run ``example`` (a few rows of model input) through it; ConfigError
     naming ``model`` with the factory path and the error when that fails or the output does not
-    fit the task. With fsdp, every ``fsdp_units`` entry must be a sub-module of the model."""
+    fit the task. With fsdp, every ``fsdp_units`` entry must be a sub-module of the model, and the
+    check runs on the meta device (shapes only: the whole model is never built), or for real
+    where the model cannot run there."""
+    if strategy == "fsdp":
+        try:
+            return _check(spec, example, strategy, meta=True)
+        except ConfigError as e:
+            if "meta" not in str(e).lower():
+                raise
+    return _check(spec, example, strategy, meta=False)
+
+
+def _check(spec: ModelSpec, example: np.ndarray, strategy: str, *, meta: bool) -> None:
     name = spec.model
     fix = ("make the factory importable where the model is built (PYTHONPATH, or the training image), return a "
            "torch.nn.Module built from the spec dict, and give one output per class (tables, images: [batch, "
            "n_classes]; regression: [batch, 1]; tokens: [batch, seq_len, vocab_size])")
     with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
         try:
-            model = build_model(spec)
+            model = build_model(spec, meta=meta)
         except Exception as e:
             raise ConfigError("model", f"{name}: {type(e).__name__}: {e}", fix) from None
     try:
@@ -128,12 +166,14 @@ def check_model(spec: ModelSpec, example: np.ndarray, *, strategy: str = "ddp") 
             stray = [type(u).__name__ for u in units if id(u) not in owned]
             if stray:
                 raise ValueError(f"fsdp_units must be sub-modules of the model, got {', '.join(stray)}")
+        if meta:
+            model.to("meta")  # buffers too (a table's statistics), beside the meta inputs
         model.eval()
         with torch.no_grad():
             x = torch.from_numpy(np.ascontiguousarray(example))
             if spec.kind == "tokens":
                 x = x[:, :-1]
-            out = model(x)
+            out = model(x.to("meta") if meta else x)
     except Exception as e:
         raise ConfigError("model", f"{name}: {type(e).__name__}: {e}", fix) from None
     want = (len(example), *spec.output_shape)
@@ -142,5 +182,3 @@ def check_model(spec: ModelSpec, example: np.ndarray, *, strategy: str = "ddp") 
         what = "regression" if spec.task == "regression" else f"{spec.task} over {spec.n_classes} classes"
         raise ConfigError("model", f"{name}: a batch of {len(example)} rows gave output {got}, but {spec.kind} "
                           f"{what} needs {want}", fix)
-
-

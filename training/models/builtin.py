@@ -127,6 +127,15 @@ class Transformer(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
+    def init_module(self, name: str, m: nn.Module) -> None:
+        """The constructor's initialisation of one module (``name`` inside the model), for weights
+        materialised after sharding (training.models.materialize)."""
+        self._init(m)
+        if isinstance(m, nn.RMSNorm):
+            m.reset_parameters()
+        if name.endswith((".proj", ".down")):
+            nn.init.normal_(m.weight, 0.0, 0.02 / math.sqrt(2 * len(self.blocks)))
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx)
         cos, sin = rotary_angles(self.head_dim, idx.shape[1], x)
@@ -152,6 +161,12 @@ class TextClassifier(nn.Module):
     @property
     def fsdp_units(self) -> list[nn.Module]:
         return list(self.blocks)
+
+    def init_module(self, _name: str, m: nn.Module) -> None:
+        """The constructor's initialisation of one module (see ``Transformer.init_module``)."""
+        Transformer._init(m)
+        if isinstance(m, nn.RMSNorm):
+            m.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         real = idx != self.pad_id  # [batch, positions]

@@ -111,6 +111,11 @@ class HFModel(nn.Module):
         self.classifier = arch["hf_head"] == "sequence_classification"
         self.pad_id, self.fill_id = pad_id, config.pad_token_id if self.classifier else fill_id
 
+    def init_module(self, _name: str, m: nn.Module) -> None:
+        """The model's own ``_init_weights`` of one module (weights materialised after sharding)."""
+        if m is not self:
+            self.model._init_weights(m)
+
     @property
     def fsdp_units(self) -> list[nn.Module]:
         names = set(getattr(self.model, "_no_split_modules", None) or ())

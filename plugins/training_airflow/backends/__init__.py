@@ -5,6 +5,8 @@
   (``handoff.Handoff``);
 - ``check_params(params) -> int``: the backend's own rules, checked by ``open_run`` before anything
   runs; returns the largest world size the run may have;
+- ``memory_budget(params) -> (Budget | None, world_size)``: each rank's share of the memory it
+  will run in, for the memory preflight before launch (None: the ranks check it themselves);
 - ``PARAMS``: the dataclass of its fields in the trigger form, or None.
 
 ``local``: torchrun as a child of the Airflow task. ``kubernetes``: an Indexed Job of pods. The
@@ -43,6 +45,11 @@ def param_classes(names: list[str]) -> list[type]:
 def check_params(params: dict[str, Any]) -> int:
     """The chosen backend's rules; returns the largest world size of the run."""
     return module(params.get("backend", "local")).check_params(params)
+
+
+def memory_budget(params: dict[str, Any]) -> tuple[Any, int]:
+    """The chosen backend's memory budget per rank and the world size it is for."""
+    return module(params.get("backend", "local")).memory_budget(params)
 
 
 def train_and_commit(validated: Any) -> Any:

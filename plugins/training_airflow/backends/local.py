@@ -61,6 +61,16 @@ def check_params(params: dict[str, Any]) -> int:
     return int(params["world_size"])
 
 
+def memory_budget(params: dict[str, Any]) -> tuple[Any, int]:
+    """This worker's memory (its cgroup limit, else MemAvailable) less what runs on it and the
+    torchrun agent to come, split between ``world_size`` ranks; on CUDA the ranks check their GPU."""
+    from training.metrics.memory import AGENT_CPU
+    from training.metrics.preflight import local_budget
+
+    world = int(params["world_size"])
+    return (None if cuda_available() else local_budget(world, agent=AGENT_CPU)), world
+
+
 def rank_env(nproc: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra or {})

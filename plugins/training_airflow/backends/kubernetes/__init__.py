@@ -34,6 +34,21 @@ def check_params(params: dict[str, Any]) -> int:
     return checks.check_params(params, worker_tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
 
 
+def memory_budget(params: dict[str, Any]) -> tuple[Any, int]:
+    """A CPU pod's memory limit (``k8s_memory_limit``, set in the Job's resources) less the torchrun
+    agent, split between its ranks, on the fewest pods the run may have; GPU pods: the ranks check
+    their device's free memory themselves."""
+    from kubernetes.utils import parse_quantity
+
+    from training.metrics.preflight import pod_budget
+    from training_airflow.backends.kubernetes.spec import procs_per_node, world_sizes
+
+    world = world_sizes(params)[0]
+    if int(params["k8s_gpus_per_node"]):
+        return None, world
+    return pod_budget(int(parse_quantity(params["k8s_memory_limit"])), procs_per_node(params)), world
+
+
 def train_and_commit(validated: Any) -> Any:
     """Task group ``kubernetes``; returns the XComArg of the Handoff."""
     from training_airflow.backends.kubernetes.operators import (
