@@ -36,6 +36,7 @@ class Columns:
 class Split:
     features: np.ndarray  # float32 [n, d] (tabular, images) or int64 [n, seq_len + 1] (tokens)
     labels: np.ndarray | None  # int64 class indices [n], float32 targets [n] (regression); None for tokens
+    held_bytes: int | None = None  # what a rank holds of the split when streamed (None: these arrays)
 
 
 class Dataset:

@@ -59,6 +59,11 @@ class NpyBlocks:
         self.per_block = max(1, block_bytes // self.rows.row_bytes)
         self.sizes = [min(self.per_block, n - a) for a in range(0, n, self.per_block)]
 
+    def held_bytes(self, window: int) -> int:
+        """The most a ``StreamLoader`` holds: two windows of ``window`` blocks."""
+        label_bytes = self.labels.row_bytes if self.labels is not None else 0
+        return 2 * window * self.per_block * (self.rows.row_bytes + label_bytes)
+
     def read_window(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """The rows of ``blocks`` (ascending) in one array each, in the file's dtype."""
         total = sum(self.sizes[b] for b in blocks)

@@ -176,9 +176,11 @@ def estimate(cfg, spec, example, *, world_size: int, device: str = "cpu", data_b
 
 def estimate_run(cfg, spec, train, *, world_size: int, device: str = "cpu", baseline: int | None = None) -> Estimate:
     """``estimate`` for a run's train split (``data.dataset.Split``): its first row is the model's
-    input, and every rank holds the whole split today."""
+    input; every rank holds the whole split, or a streamed split's buffer (``held_bytes``)."""
     labels = train.labels
     data = train.features.nbytes + (labels.nbytes if labels is not None else 0)
+    if getattr(train, "held_bytes", None) is not None:
+        data = train.held_bytes
     return estimate(cfg, spec, train.features[0], world_size=world_size, device=device, data_bytes=data,
                     baseline=baseline, labels_dtype=str(labels.dtype) if labels is not None else None)
 
