@@ -16,6 +16,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -148,10 +149,14 @@ def main() -> int:
     data = work / "data"
     make_markov_dataset(data, n_train=a.rows, n_val=8, vocab=a.vocab, seq_len=a.seq_len, seed=0)
     rows = []
-    for strategy, world, ac in itertools.product(a.strategies.split(","), map(int, a.worlds.split(",")), a.ac.split(",")):
-        r = run_one(data, work, strategy=strategy, world=world, ac=ac, a=a)
-        rows.append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "terms"}), flush=True)
+    try:
+        for strategy, world, ac in itertools.product(a.strategies.split(","), map(int, a.worlds.split(",")),
+                                                     a.ac.split(",")):
+            r = run_one(data, work, strategy=strategy, world=world, ac=ac, a=a)
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "terms"}), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the runs' checkpoints: gigabytes for the 160M decoder
 
     params = rows[0]["terms"]["parameters"] * (rows[0]["world_size"] if rows[0]["strategy"] == "fsdp" else 1)
     n_params = params // 4
