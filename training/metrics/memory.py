@@ -33,7 +33,7 @@ ALLOCATOR_SHARE = {"cpu": 0.1, "cuda": 0.25}
 # FSDP2 holds a unit's full parameters while the next is prefetched and, in backward, its full
 # gradients beside them (measured: benchmarks/peak_memory_bench.py).
 FSDP_UNITS_HELD = 3
-_VERSION = 1  # of the cached activation counts: bump when what is counted changes
+_VERSION = 2  # of the cached activation counts: bump when what is counted changes
 
 
 @dataclass
@@ -88,7 +88,25 @@ class StepCount:
     param_numel: int
     largest_unit_numel: int  # the largest FSDP unit (a block), parameters
     root_numel: int  # the parameters in no unit (embedding, head, norms): the root's FSDP group
-    activation_bytes: int  # the step's peak less parameters and gradients: saved tensors and temporaries
+    activation_bytes: int  # the step's peak of what is neither parameter nor gradient: saved tensors, temporaries
+
+
+def _activation_tracker():
+    """torch's MemTracker, also keeping the peak over the step of what is live besides parameters,
+    buffers and gradients (its own peak is of the total, where gradients may outweigh activations)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class ActivationPeak(MemTracker):
+        activation_peak = 0
+
+        def _update_peak_stats(self, peak_state) -> None:  # called after every operation
+            super()._update_peak_stats(peak_state)
+            for snap in self._curr_mem_snap.values():
+                kinds = {str(k).rpartition(".")[2]: v for k, v in snap.items()}
+                live = kinds["Total"] - kinds.get("PARAM", 0) - kinds.get("BUFFER", 0) - kinds.get("GRAD", 0)
+                self.activation_peak = max(self.activation_peak, live)
+
+    return ActivationPeak()
 
 
 def count_step(spec, example_shape: tuple[int, ...], example_dtype: str, *, micro_batch: int,
@@ -98,7 +116,6 @@ def count_step(spec, example_shape: tuple[int, ...], example_dtype: str, *, micr
     (``torch.distributed._tools.mem_tracker``: it follows every storage's life under fake tensors)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from training.models import activations
     from training.models.build import Tabular, build_model, shard_units
@@ -116,7 +133,7 @@ def count_step(spec, example_shape: tuple[int, ...], example_dtype: str, *, micr
         x = torch.zeros((micro_batch, *example_shape), dtype=getattr(torch, example_dtype))
         y = torch.zeros((micro_batch,), dtype=getattr(torch, label_dtype)) if label_dtype else None
         inputs, target = split_batch(spec.kind, x, y)
-        tracker = MemTracker()
+        tracker = _activation_tracker()
         tracker.track_external(model)
         autocast = (torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
                     if precision != "fp32" else torch.autocast("cpu", enabled=False))
@@ -124,14 +141,10 @@ def count_step(spec, example_shape: tuple[int, ...], example_dtype: str, *, micr
             with autocast:
                 loss = loss_fn(model(inputs), target, task=spec.task, target_var=spec.target_variance)
             loss.backward()
-        peak = tracker.get_tracker_snapshot("peak")
-        per_device = next(iter(peak.values()))
-        kinds = {str(k).rpartition(".")[2]: v for k, v in per_device.items()}
-        held = kinds.get("PARAM", 0) + kinds.get("BUFFER", 0) + kinds.get("GRAD", 0)
         return StepCount(param_bytes=sum(p.numel() * p.element_size() for p in params),
                          param_numel=sum(p.numel() for p in params),
                          largest_unit_numel=max(unit_params, default=0), root_numel=root_numel,
-                         activation_bytes=int(kinds["Total"] - held))
+                         activation_bytes=int(tracker.activation_peak))
 
 
 def cached_count(spec, example_shape, example_dtype, **kw) -> StepCount:
