@@ -3,8 +3,6 @@ whole job's memory limit (the torchrun agent and both ranks in one cgroup, as a 
 are) stream block by block; a rank SIGKILLed mid-shard restarts the group, which resumes from the
 newest checkpoint and ends bit-identical to an uninterrupted run under the same limit."""
 
-import hashlib
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -13,6 +11,7 @@ import pytest
 
 from tests import memlimit
 from tests.conftest import free_port
+from tests.training.test_text_resume import _final, _losses
 from training.data.dataset import open_dataset
 from training.data.options import DataOptions
 from training.data.synthetic import grow_token_shards, make_text_dataset
@@ -50,14 +49,6 @@ def _run(group, data, uri, root, *, env=None, max_restarts=0):
     return proc
 
 
-def _final(root):
-    return hashlib.sha256((root / "ck" / f"step_{STEPS:08d}" / "model.safetensors").read_bytes()).hexdigest()
-
-
-def _losses(root):
-    return {json.loads(line)["step"]: json.loads(line)["loss"] for line in (root / "out" / "steps.jsonl").read_text().splitlines()}
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not memlimit.available(), reason="needs root and the cgroup v1 memory controller")
 def test_data_larger_than_the_memory_limit_trains_and_resumes_bit_identical(big_shards, tmp_path):
@@ -70,6 +61,6 @@ def test_data_larger_than_the_memory_limit_trains_and_resumes_bit_identical(big_
         assert group.oom_kills == 0, "a process of the job was OOM-killed"
         print(f"peak of the job's memory group: {group.peak / 2**20:.0f} MiB (limit {LIMIT >> 20} MiB)")
     assert "rank 1 SIGKILLs itself after step 15" in proc.stdout and "(step 10)" in proc.stdout
-    assert _final(killed) == _final(base)
+    assert _final(killed, STEPS) == _final(base, STEPS)
     got, want = _losses(killed), _losses(base)
     assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
