@@ -19,7 +19,7 @@ from training.data.tokenizer import resolve
 from training.data.tokens import build
 from training.distributed.launch import torchrun_command
 
-LIMIT = 1 << 30  # the job's memory limit: agent + 2 ranks (they peak near 700 MiB on this data)
+LIMIT = 1536 << 20  # the job's limit: agent + 2 ranks (they peak near 700 MiB; the memory preflight wants ~1.3 GiB at the restart)
 DATA = LIMIT + (256 << 20)  # train.npy's bytes: larger than the limit
 STEPS = 30
 
