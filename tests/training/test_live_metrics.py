@@ -5,6 +5,7 @@ and SIGCONT resolves it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -169,6 +170,14 @@ def test_prometheus_scrapes_two_ranks_and_the_stall_alert_fires_and_resolves(dat
     finally:
         if stopped is not None:
             stopped.resume()
+        # torchrun starts each rank in a session of its own: the ranks are killed by pid, then the agent.
+        try:
+            ranks = psutil.Process(launcher.pid).children(recursive=True)
+        except psutil.Error:
+            ranks = []
+        for rank in ranks:
+            with contextlib.suppress(psutil.Error):
+                rank.kill()
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(30)
         prom.stop()
