@@ -42,6 +42,13 @@ class MemoryGroup:
         """The most the group was charged (resident memory and the page cache of files written)."""
         return self.read("max_usage_in_bytes")
 
+    def set_limit(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+
+    def reset_peak(self) -> None:
+        (self.path / "memory.max_usage_in_bytes").write_text("0")
+
     @property
     def oom_kills(self) -> int:
         for line in (self.path / "memory.oom_control").read_text().splitlines():

@@ -1,7 +1,7 @@
 """The export of a sharded model stays under a pod's memory limit: a model state written by two
 ranks as a DCP checkpoint, larger than the limit, is exported to ``model.safetensors`` by a
 process under that limit (a cgroup memory limit, as a container runtime sets a pod's; see
-tests/memlimit_export.py); loading the whole state the way the export did before is killed by
+tests/memlimit.py); loading the whole state the way the export did before is killed by
 the same limit."""
 
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.memlimit_export import available, memory_group
+from tests import memlimit
 from training.checkpoint.export import MODEL_FILE
 from training.util import free_port
 
@@ -67,19 +67,19 @@ def _save_shards(rank: int, port: int, root: str) -> None:
 def _under_limit(mode: str, ckpt, out) -> tuple[int, str, int, int]:
     """Run the export ``mode`` in a fresh memory group: once the interpreter is up, its limit is
     set to what it uses then + BUDGET. Returns exit code, output, limit, peak."""
-    with memory_group() as group:
-        proc = group.popen([sys.executable, "-c", CHILD, mode, str(ckpt), str(out)], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with memlimit.MemoryGroup("dtp-export", 64 << 30) as group:  # the limit comes once the child is up
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, str(ckpt), str(out)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=group.enter)
         try:
             assert proc.stdout.readline().strip() == "ready"
-            limit = group.usage() + BUDGET
+            limit = group.read("usage_in_bytes") + BUDGET
             group.set_limit(limit)
-            group.reset_max()
+            group.reset_peak()
             proc.stdin.write("go\n")
             proc.stdin.flush()
             output = proc.stdout.read()
             rc = proc.wait(timeout=120)
-            return rc, output, limit, group.max_usage()
+            return rc, output, limit, group.peak
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -87,7 +87,7 @@ def _under_limit(mode: str, ckpt, out) -> tuple[int, str, int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not available(), reason="needs root and the cgroup v1 memory controller")
+@pytest.mark.skipif(not memlimit.available(), reason="needs root and the cgroup v1 memory controller")
 def test_export_of_a_sharded_model_stays_under_the_limit(tmp_path):
     import torch.multiprocessing as mp
 
