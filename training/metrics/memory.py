@@ -63,8 +63,8 @@ def gib(n: float) -> str:
 def tame_malloc(threshold: int = 4 * MiB) -> bool:
     """glibc keeps freed heap blocks, so a CPU rank's resident set after a step follows the
     allocation history, not what is live: blocks of ``threshold`` and more are mapped and unmapped
-    on their own, and the heap is trimmed past it (1 MiB cost a third more CPU time in
-    ``benchmarks/peak_memory_bench.py``; 4 MiB about 2%). False where it is not glibc."""
+    on their own, and the heap is trimmed past it (its CPU cost: docs/benchmarks.md, "Peak memory
+    by strategy"). False where it is not glibc."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
