@@ -104,8 +104,10 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None,
     train = dataset.split("train", limit=2) if blocks is not None else dataset.split("train")
     spec = ModelSpec.for_data(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads,
                               dropout=cfg.dropout, model_args=cfg.model_args, train=train)
-    memory = memory_check(spec, train) if memory_check is not None else None
+    # The model first (on two rows; on the meta device under fsdp): a broken factory is named as such,
+    # then the memory preflight counts the model that was checked.
     check_model(spec, train.features[:2], strategy=cfg.strategy)
+    memory = memory_check(spec, train) if memory_check is not None else None
     return Prepared(dataset=dataset, spec=spec, train=train, memory=memory, blocks=blocks)
 
 
@@ -121,7 +123,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     if not cfg.checkpoint_dir:
         raise ConfigError("checkpoint_dir", "is empty", "pass a folder, file:///folder or s3://bucket/prefix")
     check_writable(cfg.checkpoint_dir, field="checkpoint_dir")  # a missing bucket or denied keys: exit 2
-    # A run that cannot fit this machine's memory: exit 2, before any rank builds its model.
+    # A run that cannot fit this machine's memory: exit 2, before any rank trains.
     prepared = prepare(cfg, memory_check=lambda spec, train: preflight_rank(cfg, spec, train, world))
     startup.mark("data")
 

@@ -241,7 +241,7 @@ def check_model(params: dict[str, Any], cfg: Any, data: Any, *, token_shards: st
 
 def check_memory(params: dict[str, Any], cfg: Any, spec: Any, train: Any) -> Any:
     """The memory preflight before launch: each rank's estimated peak against its share of the
-    memory the backend gives it (before the model is built); a ConfigError names the changes that
+    memory the backend gives it (after the model's check on two rows); a ConfigError names the changes that
     fit. Returns the estimate (None: not checked here). The ranks check again, where they run."""
     from training.metrics.memory import estimate_run
     from training.metrics.preflight import check, has_blocks
