@@ -36,7 +36,7 @@ spec = ModelSpec.for_data("transformer", meta, hidden=hidden, depth=depth, n_hea
 info = parallel.init(600)
 base = hwm()
 cfg = types.SimpleNamespace(strategy="fsdp", activation_checkpointing="none", precision="fp32", bucket_cap_mb=25,
-                            comm_hook="none")
+                            comm_hook="none", compile="none")
 if way == "whole":
     model, _ = parallel.parallelize(build_model(spec), cfg, info)
 else:

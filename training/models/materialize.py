@@ -79,7 +79,11 @@ class InitialWeights:
         if self.shadow is None:
             return  # built with its weights
         buffers = dict(model.named_buffers())  # real already: to_empty must not lose them
+        ties = _shared_parameters(model)
         model.to_empty(device=device)
+        for (first, first_attr), *rest in ties:  # to_empty gives each module a tensor of its own
+            for module, attr in rest:
+                module._parameters[attr] = first._parameters[first_attr]
         with torch.no_grad():
             for name, b in model.named_buffers():
                 if not buffers[name].is_meta:
@@ -89,6 +93,17 @@ class InitialWeights:
             for name, param in model.named_parameters():
                 if name not in loaded:
                     _fill(param, _drawn(self.shadow, name, self.seed, rule))
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, attribute) places of each parameter held by more than one module (tied weights:
+    a language model's head and its token embedding)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, attr))
+    return [p for p in places.values() if len(p) > 1]
 
 
 def _drawn(shadow: nn.Module, name: str, seed: int, rule: InitRule) -> torch.Tensor:
