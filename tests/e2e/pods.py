@@ -163,7 +163,19 @@ class PlayedPod:
             v["name"] = own.get(v["name"], v["name"])
         spec.setdefault("volumes", []).append({"name": f"{self.name}-hosts", "hostPath": {"path": str(self.hosts),
                                                                                           "type": "File"}})
+        # The kubelet's downward API for what podman's kube play does not fill: the pod's address
+        # (pod_address, as in the hosts file) and the node's name.
+        downward = {"status.podIP": pod_address(self.index) if self.index is not None else "127.0.0.1",
+                    "spec.nodeName": socket.gethostname()}
         for c in spec["containers"]:
+            # A container port only names a port in Kubernetes (the Job declares the metrics ports for
+            # scraping); podman would map it, which its host network refuses.
+            c.pop("ports", None)
+            for env in c.get("env") or []:
+                path = ((env.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+                if path in downward:
+                    env.pop("valueFrom")
+                    env["value"] = downward[path]
             for mount in c.get("volumeMounts", []):
                 mount["name"] = own.get(mount["name"], mount["name"])
             c.setdefault("volumeMounts", []).append({"name": f"{self.name}-hosts", "mountPath": "/etc/hosts",

@@ -40,7 +40,7 @@ def _check(params, tokens):
 
 def test_a_cpu_pod_whose_limit_is_too_small_is_refused_before_launch(tokens):
     params = k8s_params(k8s_nnodes=2, k8s_gpus_per_node=0, model="transformer", hidden=512, depth=12, n_heads=8,
-                        batch_size=8, strategy="ddp", k8s_memory_request="1Gi", k8s_memory_limit="1200Mi")
+                        batch_size=8, strategy="ddp", k8s_memory_request="1Gi", k8s_memory_limit="1400Mi")
     with pytest.raises(ConfigError) as e:
         _check(params, tokens)
     msg = str(e.value)

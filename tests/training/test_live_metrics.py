@@ -183,16 +183,26 @@ def test_prometheus_scrapes_two_ranks_and_the_stall_alert_fires_and_resolves(dat
         prom.stop()
 
 
-def test_a_port_in_use_costs_the_metrics_not_the_run(caplog):
-    """Another process on the port: the rank warns and trains on without metrics."""
+def test_a_port_in_use_moves_the_metrics_and_a_bad_address_costs_them_not_the_run(caplog):
+    """Another process on the port: the rank serves on a free port and names it; an address it
+    cannot serve on: the rank warns and trains on without metrics."""
     logging.getLogger("training").addHandler(caplog.handler)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        live = LiveMetrics(0, checkpoint_every=0, restarts=0, stall_after_s=300)
-        assert not live.serve("127.0.0.1", taken.getsockname()[1])
+        busy = taken.getsockname()[1]
+        moved = LiveMetrics(0, checkpoint_every=0, restarts=0, stall_after_s=300)
+        assert moved.serve("127.0.0.1", busy)
+    try:
+        assert moved.port != busy and f"serves on port {moved.port} instead" in caplog.text
+        with urllib.request.urlopen(f"http://127.0.0.1:{moved.port}/metrics", timeout=10) as r:
+            assert "training_memory_rss_bytes{" in r.read().decode()
+    finally:
+        moved.close()
+    nowhere = LiveMetrics(0, checkpoint_every=0, restarts=0, stall_after_s=300)
+    assert not nowhere.serve("192.0.2.1", free_port())  # an address this machine does not have
     logging.getLogger("training").removeHandler(caplog.handler)
-    assert "serves no Prometheus metrics" in caplog.text
+    assert "serves no Prometheus metrics" in caplog.text and nowhere.port is None
     free = LiveMetrics(0, checkpoint_every=5, restarts=1, stall_after_s=300)
     port = free_port()
     assert free.serve("127.0.0.1", port)

@@ -174,8 +174,8 @@ class TrainConfig:
         "permuted each epoch, the windows in a block window shuffled (larger: closer to a full shuffle)",
         title="Shuffle window (blocks)", minimum=1, maximum=65_536, section=ADVANCED)
     metrics_port: int = knob(
-        9400, "each rank serves Prometheus metrics on this port + its local rank (0 = none); a port in use costs "
-        "that rank's metrics with a warning, never the run", title="Metrics port", minimum=0, maximum=65_000,
+        9400, "each rank serves Prometheus metrics on this port + its local rank (0 = none); a port another "
+        "process holds: a free port instead, named in a warning", title="Metrics port", minimum=0, maximum=65_000,
         section=ADVANCED)
     metrics_host: str = knob(
         "127.0.0.1", "address the ranks' metrics listen on (the pods listen on their pod IP)", title="Metrics address",

@@ -92,6 +92,7 @@ class LiveMetrics:
                                          "training_stall_threshold_seconds": stall_after_s}
         self._windows: deque[float] = deque(maxlen=TYPICAL_WINDOWS)
         self.server = None
+        self.port: int | None = None  # where the metrics are served
 
     # ------------------------------------------------------------------ fed by the trainer
 
@@ -132,19 +133,33 @@ class LiveMetrics:
     # ------------------------------------------------------------------ served
 
     def serve(self, host: str, port: int) -> bool:
-        """Serve on ``host:port``; a port in use costs the metrics, never the run (a warning)."""
+        """Serve on ``host:port``. A port another process holds (another run on this machine): a
+        free port instead, named in a warning; an address that cannot be served costs the metrics,
+        never the run (a warning). ``self.port``: where it serves (None: nowhere)."""
+        import errno
+
         from prometheus_client import start_http_server
         from prometheus_client.registry import CollectorRegistry
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
         try:
-            self.server, _ = start_http_server(port, addr=host, registry=registry)
+            try:
+                self.server, _ = start_http_server(port, addr=host, registry=registry)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                self.server, _ = start_http_server(0, addr=host, registry=registry)
+                logger.warning(f"metrics: {host}:{port} is taken by another process; rank {self.label_values['rank']} "
+                               f"serves on port {self.server.server_port} instead (give each run on one machine its "
+                               "own metrics_port so Prometheus finds it)")
         except OSError as e:
             logger.warning(f"metrics: cannot serve on {host}:{port} ({e}): rank {self.label_values['rank']} "
-                           "serves no Prometheus metrics (set metrics_port to a free port, or 0 for none)")
+                           "serves no Prometheus metrics (set metrics_host to this machine's address, or "
+                           "metrics_port=0 for none)")
             return False
-        logger.info(f"metrics: Prometheus metrics on http://{host}:{port}/metrics")
+        self.port = self.server.server_port
+        logger.info(f"metrics: Prometheus metrics on http://{host}:{self.port}/metrics")
         return True
 
     def close(self) -> None:
