@@ -16,6 +16,7 @@ from collections import deque
 from typing import Any
 
 from training.log import logger
+from training.metrics.preflight import rss
 
 # What the launchers hand the ranks for the labels (the MLflow run id travels as MLFLOW_RUN_ID).
 EXPERIMENT_ENV = "TRAINING_EXPERIMENT"
@@ -67,11 +68,6 @@ def labels(rank: int) -> dict[str, str]:
     return {"experiment": os.environ.get(EXPERIMENT_ENV, ""), "mlflow_run_id": os.environ.get("MLFLOW_RUN_ID", ""),
             "dag_run_id": os.environ.get(DAG_RUN_ENV, ""), "rank": str(rank),
             "node": os.environ.get(NODE_ENV) or socket.gethostname()}
-
-
-def _rss_bytes() -> float:
-    with open("/proc/self/statm") as f:  # Linux: pages; psutil would import more for one number
-        return float(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class LiveMetrics:
@@ -175,10 +171,9 @@ class LiveMetrics:
         now = time.time()
         values["training_seconds_since_last_step"] = now - values["training_last_step_timestamp_seconds"]
         values["training_seconds_since_checkpoint"] = now - values["training_last_checkpoint_timestamp_seconds"]
-        try:
-            values["training_memory_rss_bytes"] = _rss_bytes()
-        except OSError:  # not Linux
-            pass
+        resident = rss(os.getpid())  # 0: not Linux
+        if resident:
+            values["training_memory_rss_bytes"] = float(resident)
         if self.cuda:
             import torch
 
