@@ -87,7 +87,7 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None,
     that changed since the gate refused), described, its train split read, the normalization
     statistics computed once from it, and the model built and run on two rows. Raises
     ConfigError naming the field to fix. ``dataset``: one already open (the Airflow pre-launch check).
-    ``memory_check``: the memory preflight, before the model is first built (on fake tensors)."""
+    ``memory_check``: the memory preflight, after the model's check on two rows (it counts on fake tensors)."""
     if dataset is None and cfg.token_shards:  # text: the windows the tokenize step made, verified
         dataset = open_shards(cfg.token_shards)
     elif dataset is None and cfg.text_column:
