@@ -32,6 +32,10 @@ RUN --mount=type=secret,id=pip.conf,uid=50000 --mount=type=secret,id=pip-ca,uid=
         "apache-airflow==${AIRFLOW_VERSION}" \
         apache-airflow-providers-cncf-kubernetes==10.25.0 \
         apache-airflow-providers-amazon==9.39.0 \
+        apache-airflow-providers-celery==3.26.0 \
+        "celery[redis]==5.6.3" \
+        statsd==4.0.1 \
+        Flask-WTF==1.3.0 \
         mlflow==3.17.2 \
         great-expectations==1.24.1 \
         boto3==1.44.8 \

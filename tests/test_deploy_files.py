@@ -73,15 +73,63 @@ def stack() -> dict:
 
 def test_stack_has_every_part(stack):
     services = stack["services"]
-    assert {"postgres", "minio", "minio-create-buckets", "mlflow", "airflow-init", "airflow-apiserver",
-            "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"} <= set(services)
+    assert {"postgres", "redis", "minio", "minio-init", "mlflow", "mlflow-users", "airflow-init", "airflow-apiserver",
+            "airflow-scheduler", "airflow-worker", "airflow-dag-processor", "airflow-triggerer", "statsd-exporter",
+            "prometheus"} <= set(services)
     assert services["mlflow"]["environment"]["MLFLOW_BACKEND_STORE_URI"].startswith("postgresql")
     assert services["mlflow"]["environment"]["MLFLOW_ARTIFACTS_DESTINATION"].startswith("s3://")
-    for name in ("airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"):
+    for name in ("airflow-apiserver", "airflow-scheduler", "airflow-worker", "airflow-dag-processor",
+                 "airflow-triggerer"):
         assert services[name]["depends_on"]["airflow-init"]["condition"] == "service_completed_successfully", name
         assert services[name]["depends_on"]["postgres"]["condition"] == "service_healthy", name
-    assert services["mlflow"]["depends_on"]["minio-create-buckets"]["condition"] == "service_completed_successfully"
-    assert services["minio-create-buckets"]["depends_on"]["minio"]["condition"] == "service_healthy"
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy", name
+    assert services["mlflow"]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
+    assert services["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"
+    assert services["airflow-worker"]["depends_on"]["mlflow-users"]["condition"] == "service_completed_successfully"
+
+
+def test_training_runs_on_a_celery_worker_not_in_the_scheduler(stack):
+    """Celery, as Airflow's own compose file: the tasks (and the local backend's torchrun) run on the
+    worker; the scheduler container only schedules, so restarting it leaves training alone."""
+    services = stack["services"]
+    for name in ("airflow-apiserver", "airflow-scheduler", "airflow-worker", "airflow-dag-processor",
+                 "airflow-triggerer"):
+        env = services[name]["environment"]
+        assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor", name
+        assert env["AIRFLOW__CELERY__BROKER_URL"].startswith("redis://redis:"), name
+        assert env["AIRFLOW__METRICS__STATSD_HOST"] == "statsd-exporter", name
+    assert services["airflow-worker"]["command"] == ["airflow", "celery", "worker"]
+    assert services["airflow-worker"]["shm_size"] and "shm_size" not in services["airflow-scheduler"]
+    # The ranks' metrics listen on the worker's own name, which Prometheus scrapes.
+    assert services["airflow-worker"]["environment"]["TRAINING_METRICS_HOST"] == services["airflow-worker"]["hostname"]
+    scrape = yaml.safe_load((ROOT / "docker" / "compose" / "prometheus.yml").read_text())
+    targets = {t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert f"{services['airflow-worker']['hostname']}:9400" in targets
+    assert "statsd-exporter:9102" in targets
+
+
+def test_each_service_holds_only_its_own_keys(stack):
+    """MinIO's root key stays with MinIO and its init job; the pipeline and MLflow each have a MinIO user
+    of their own; the pipeline writes to MLflow as its own MLflow user; MLflow runs its basic-auth app."""
+    services = stack["services"]
+    env_example = dict(line.split("=", 1) for line in (ROOT / ".env.example").read_text().splitlines()
+                       if line and not line.startswith("#"))
+    root_key = env_example["MINIO_ROOT_PASSWORD"]
+    holders = {name for name, svc in services.items() if root_key in json.dumps(svc.get("environment", {}))}
+    assert holders == {"minio", "minio-init"}
+    airflow_services = [n for n in services if n.startswith("airflow-")]
+    for name in airflow_services:
+        env = services[name]["environment"]
+        assert env["AWS_SECRET_ACCESS_KEY"] == env_example["TRAINING_S3_SECRET_KEY"], name
+        assert env["MLFLOW_TRACKING_USERNAME"] == "training-pipeline", name
+        assert env["MLFLOW_TRACKING_PASSWORD"] == env_example["MLFLOW_PIPELINE_PASSWORD"], name
+    assert services["mlflow"]["environment"]["AWS_SECRET_ACCESS_KEY"] == env_example["MLFLOW_S3_SECRET_KEY"]
+    assert services["mlflow"]["command"][:3] == ["mlflow", "server", "--app-name"]
+    assert services["mlflow"]["command"][3] == "basic-auth"
+    init = (ROOT / "docker" / "compose" / "minio-init.sh").read_text()
+    assert "TRAINING_S3_ACCESS_KEY" in init and "MLFLOW_S3_ACCESS_KEY" in init
+    users = services["airflow-apiserver"]["environment"]["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"]
+    assert dict(u.split(":") for u in users.split(",")) == {"admin": "admin", "trainer": "user", "reader": "viewer"}
 
 
 def test_long_running_services_have_healthchecks(stack):
@@ -116,9 +164,9 @@ def test_stack_check_has_a_stand_in_for_every_registry_image(stack):
 
     names = stack_check.compose_images()
     pulled = {svc["image"] for svc in stack["services"].values() if "build" not in svc}
-    assert pulled == {names["postgres"], names["minio"], names["mc"]}
+    assert pulled == {names[role] for role in ("postgres", "minio", "mc", "redis", "statsd-exporter", "prometheus")}
     assert names["airflow-base"] == "apache/airflow:3.3.2-python3.11"
-    assert len(STAND_INS) == 3
+    assert len(STAND_INS) == 4
 
 
 def test_env_file_is_not_committed():

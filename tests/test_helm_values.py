@@ -32,6 +32,14 @@ CHART_MAKES = {
     "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": ("data", "metadataSecretName"),
     # http://<release>-api-server:8080/execution/, with base_url's path
     "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": ("config", "api", "base_url"),
+    # Celery's broker: the chart's Redis; its result backend: the metadata DB's connection
+    "AIRFLOW__CELERY__BROKER_URL": ("redis", "enabled"),
+    "AIRFLOW__CELERY__RESULT_BACKEND": ("data", "metadataSecretName"),
+    # [metrics] statsd_*: to the chart's statsd exporter
+    "AIRFLOW__METRICS__STATSD_ON": ("statsd", "enabled"),
+    "AIRFLOW__METRICS__STATSD_HOST": ("statsd", "enabled"),
+    "AIRFLOW__METRICS__STATSD_PORT": ("statsd", "enabled"),
+    "AIRFLOW__METRICS__STATSD_PREFIX": ("statsd", "enabled"),
 }
 # Set in the compose stack only, and why the chart needs none of them.
 COMPOSE_ONLY = {
@@ -39,6 +47,9 @@ COMPOSE_ONLY = {
     "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "the simple auth manager is the compose stack's",
     "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": "the simple auth manager is the compose stack's",
     "AIRFLOW_ADMIN_PASSWORD": "airflow-init writes the simple auth manager's password file from it",
+    "AIRFLOW_TRAINER_PASSWORD": "airflow-init writes the simple auth manager's password file from it",
+    "AIRFLOW_READER_PASSWORD": "airflow-init writes the simple auth manager's password file from it",
+    "DUMB_INIT_SETSID": "the compose worker's warm shutdown; the chart's worker sets its own",
     "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "compose's healthcheck curls it; the chart's probes run `airflow jobs check`",
 }
 # Set by the values only: what a cluster adds.
@@ -47,9 +58,6 @@ CLUSTER_ONLY = {
     "TRAINING_MAX_ACTIVE_RUNS": "sized to the workers",
     "TRAINING_POLICY": "a shared deployment bounds what a trigger may ask",
     "AIRFLOW_CONN_KUBERNETES_DEFAULT": "the kubernetes backend's connection: the worker's service account",
-    "AIRFLOW__CELERY__WORKER_CONCURRENCY": "Celery's workers (compose runs the LocalExecutor)",
-    "MLFLOW_TRACKING_USERNAME": "a team's MLflow server may ask for credentials (optional Secret)",
-    "MLFLOW_TRACKING_PASSWORD": "a team's MLflow server may ask for credentials (optional Secret)",
 }
 MLFLOW_SECRET_KEYS = {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}  # a runtime's mlflow_secret (policy.py)
 # Chart values that would put a credential into the release (the chart's names).
@@ -97,6 +105,7 @@ def compose_airflow_env() -> dict[str, object]:
 def provided_env(values: dict) -> set[str]:
     """The variables the values put into the Airflow containers."""
     names = {e["name"] for e in values.get("env") or []} | {s["envName"] for s in values.get("secret") or []}
+    names |= {e["name"] for e in yaml.safe_load(values.get("extraEnv") or "[]")}
     names |= {f"AIRFLOW__{section.upper()}__{key.upper()}" for section, keys in (values.get("config") or {}).items()
               for key in keys}
     for ref in env_from(values):

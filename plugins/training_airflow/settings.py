@@ -105,6 +105,15 @@ def training_schedule() -> str | None:
     return value
 
 
+def local_metrics_host(requested: str, default: str) -> str:
+    """Where the local backend's ranks serve their metrics: the run's ``metrics_host`` when it asks
+    for an address, else ``TRAINING_METRICS_HOST`` when the deployment sets one (a worker container
+    whose ranks a Prometheus in another container scrapes: its own name or address), else the
+    field's default (127.0.0.1)."""
+    deployment = os.environ.get("TRAINING_METRICS_HOST", "").strip()
+    return deployment if deployment and requested == default else requested
+
+
 BACKENDS = ("local", "kubernetes")
 
 

@@ -38,3 +38,16 @@ def test_inconsistent_target_is_refused_naming_the_field(changes, field, fix):
         train_config(_form(**changes))
     assert f"config field '{field}'" in str(e.value)
     assert fix in str(e.value)
+
+
+def test_a_worker_container_names_the_address_its_ranks_serve_metrics_on(monkeypatch):
+    """TRAINING_METRICS_HOST (the compose worker's name, a pod's IP) replaces metrics_host's default for the
+    local backend's ranks, so a Prometheus elsewhere can scrape them; a run that names an address keeps it."""
+    from training_airflow import settings
+    from training.config.train_config import TrainConfig
+
+    default = TrainConfig.__dataclass_fields__["metrics_host"].default
+    assert settings.local_metrics_host(default, default) == "127.0.0.1"
+    monkeypatch.setenv("TRAINING_METRICS_HOST", "airflow-worker")
+    assert settings.local_metrics_host(default, default) == "airflow-worker"
+    assert settings.local_metrics_host("10.0.0.7", default) == "10.0.0.7"
