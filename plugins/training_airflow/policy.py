@@ -117,6 +117,8 @@ class Runtime(_Strict):
     tolerations: list[Toleration] = Field(default_factory=list, description="Kubernetes tolerations every "
                                               "training pod gets")
     s3_secret: str | None = Field(None, description="Secret the pods' S3 keys come from; replaces k8s_s3_secret")
+    pvcs: list[str] = Field(default_factory=list, description="PersistentVolumeClaims k8s_data_pvc and "
+                            "k8s_checkpoint_pvc may name; empty: any")
     mlflow_secret: str | None = Field(None, description="Secret with MLFLOW_TRACKING_USERNAME/PASSWORD the "
                                       "pods log to MLflow with")
     ceilings: Ceilings = Field(default_factory=Ceilings)
@@ -158,12 +160,15 @@ class Code(_Strict):
 
 
 class Data(_Strict):
-    """URI prefixes (local folders, s3://bucket/prefix) each field may name; null: any."""
+    """URI prefixes (local folders, s3://bucket/prefix) each field may name; null: any. ``connections``:
+    the Airflow connections ``aws_conn_id`` may name (null: any; empty: none, the worker's own keys)."""
 
     dataset_uri: list[str] | None = None
     store_uri: list[str] | None = None
+    tokenizer: list[str] | None = None
+    connections: list[str] | None = None
 
-    @field_validator("dataset_uri", "store_uri")
+    @field_validator("dataset_uri", "store_uri", "tokenizer")
     @classmethod
     def _absolute(cls, v: list[str] | None) -> list[str] | None:
         for p in v or []:
@@ -322,11 +327,17 @@ def _check_code(params: dict[str, Any], code: Code, resolve) -> None:
 
 
 def _check_data(params: dict[str, Any], data: Data, resolve) -> None:
-    for field in ("dataset_uri", "store_uri"):
+    for field in ("dataset_uri", "store_uri", "tokenizer"):
         allowed = getattr(data, field)
         value = params.get(field)
+        if field == "tokenizer" and (not value or str(value) == "bytes" or str(value).startswith("bpe:")):
+            continue  # made from the run's own data: no file is read
         if allowed is not None and value is not None and not _under(resolve(str(value)), allowed):
             raise PolicyError(field, f"data.{field}", value, "a URI under " + _listed(allowed))
+    conn = params.get("aws_conn_id")
+    if data.connections is not None and conn and conn not in data.connections:
+        raise PolicyError("aws_conn_id", "data.connections", conn,
+                          "an empty value (the worker's own keys) or " + _listed(data.connections))
 
 
 def _check_kubernetes(params: dict[str, Any], name: str, rt: Runtime, ceilings: Ceilings) -> None:
@@ -346,6 +357,9 @@ def _check_kubernetes(params: dict[str, Any], name: str, rt: Runtime, ceilings: 
         if key in selector and selector[key] != value:
             raise PolicyError("k8s_node_selector", f"{rule}.node_selector", {key: selector[key]},
                               f"{key}={value!r} (the runtime's) or leaving {key} out")
+    for field in ("k8s_data_pvc", "k8s_checkpoint_pvc"):
+        if rt.pvcs and params.get(field) and params[field] not in rt.pvcs:
+            raise PolicyError(field, f"{rule}.pvcs", params[field], _listed(rt.pvcs))
     nodes, gpus = int(params.get("k8s_nnodes", 1)), int(params.get("k8s_gpus_per_node", 0))
     where = f"ceilings of runtime {name}"
     for field, value, bound, what in (

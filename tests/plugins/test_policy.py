@@ -27,11 +27,13 @@ runtimes:
     node_selector: {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}
     tolerations: [{key: team-a, operator: Exists, effect: NoSchedule}]
     s3_secret: team-a-s3
+    pvcs: [team-a-data, team-a-ckpt]
     mlflow_secret: team-a-mlflow
     ceilings: {nodes: 4, gpus_per_node: 8, gpus: 32, memory_per_pod: 512Gi, cpu_per_pod: "96"}
 ceilings: {steps: 100000, wall_clock_s: 86400}
 code: {model_prefixes: [team_models], hf_roots: ["s3://team-a-models"]}
-data: {dataset_uri: ["/data", "s3://team-a-data"], store_uri: ["s3://team-a-ckpt"]}
+data: {dataset_uri: ["/data", "s3://team-a-data"], store_uri: ["s3://team-a-ckpt"], tokenizer: ["s3://team-a-models"],
+       connections: [team_a_s3]}
 """ % ("a" * 64)
 
 
@@ -45,7 +47,9 @@ def team(tmp_path):
 GPU = {"runtime": "gpu-8", "backend": "kubernetes", "k8s_image": "registry.example.com/ml/train:1",
        "k8s_namespace": "team-a", "k8s_nnodes": 2, "k8s_gpus_per_node": 8, "k8s_memory_limit": "256Gi",
        "k8s_cpu_limit": "64", "k8s_active_deadline_s": 3600, "steps": 1000, "model": "transformer",
-       "dataset_uri": "s3://team-a-data/lm", "store_uri": "s3://team-a-ckpt/runs"}
+       "dataset_uri": "s3://team-a-data/lm", "store_uri": "s3://team-a-ckpt/runs", "k8s_data_pvc": "team-a-data",
+       "k8s_checkpoint_pvc": "team-a-ckpt", "tokenizer": "s3://team-a-models/bpe/tokenizer.json",
+       "aws_conn_id": "team_a_s3"}
 CPU = {"runtime": "cpu", "backend": "local", "world_size": 2, "steps": 100, "model": "team_models.mlp:build",
        "dataset_uri": "/data/teacher", "store_uri": "s3://team-a-ckpt"}
 
@@ -101,6 +105,9 @@ def test_conf_within_the_policy_passes(team):
     assert policy.check(CPU, team) == "cpu"
     assert policy.check({**GPU, "k8s_image": "other.example.com/x/y@sha256:" + "a" * 64}, team) == "gpu-8"
     assert policy.check({**CPU, "model": "mlp"}, team) == "cpu"  # built-in families always
+    for made_from_the_data in ("bpe:4096", "bytes", None):  # no tokenizer file is read
+        assert policy.check({**GPU, "tokenizer": made_from_the_data}, team) == "gpu-8"
+    assert policy.check({**GPU, "aws_conn_id": None}, team) == "gpu-8"  # the worker's own keys
 
 
 @pytest.mark.parametrize("change, field, rule, allowed", [
@@ -128,6 +135,10 @@ def test_conf_within_the_policy_passes(team):
     ({"store_uri": "s3://other-team/ckpt"}, "store_uri", "data.store_uri", "'s3://team-a-ckpt'"),
     ({"store_uri": "s3://team-a-ckpt-copy/x"}, "store_uri", "data.store_uri", "'s3://team-a-ckpt'"),
     ({"store_uri": "file:///tmp/store"}, "store_uri", "data.store_uri", "'s3://team-a-ckpt'"),
+    ({"tokenizer": "/home/someone/tokenizer.json"}, "tokenizer", "data.tokenizer", "'s3://team-a-models'"),
+    ({"aws_conn_id": "platform_admin_s3"}, "aws_conn_id", "data.connections", "'team_a_s3'"),
+    ({"k8s_data_pvc": "team-b-data"}, "k8s_data_pvc", "runtimes.gpu-8.pvcs", "one of 'team-a-data', 'team-a-ckpt'"),
+    ({"k8s_checkpoint_pvc": "team-b-ckpt"}, "k8s_checkpoint_pvc", "runtimes.gpu-8.pvcs", "'team-a-ckpt'"),
 ])
 def test_each_rule_refuses_naming_the_rule_the_value_and_what_is_allowed(team, change, field, rule, allowed):
     with pytest.raises(policy.PolicyError) as refused:
