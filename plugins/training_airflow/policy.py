@@ -336,8 +336,8 @@ def _check_data(params: dict[str, Any], data: Data, resolve) -> None:
             raise PolicyError(field, f"data.{field}", value, "a URI under " + _listed(allowed))
     conn = params.get("aws_conn_id")
     if data.connections is not None and conn and conn not in data.connections:
-        raise PolicyError("aws_conn_id", "data.connections", conn,
-                          "an empty value (the worker's own keys) or " + _listed(data.connections))
+        raise PolicyError("aws_conn_id", "data.connections", conn, "an empty value (the worker's own keys)" + (
+            " or " + _listed(data.connections) if data.connections else ": this deployment lends no stored connection"))
 
 
 def _check_kubernetes(params: dict[str, Any], name: str, rt: Runtime, ceilings: Ceilings) -> None:

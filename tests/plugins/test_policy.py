@@ -225,8 +225,11 @@ def test_the_documented_example_is_a_valid_policy(tmp_path):
     assert list(loaded.policy.runtimes) == ["cpu", "gpu-8"]
     assert loaded.policy.ceilings_of("cpu").steps == 20000 and loaded.policy.ceilings_of("gpu-8").gpus == 32
     gpu = {**GPU, "k8s_namespace": "team-a", "dataset_uri": "s3://team-a-data/x", "store_uri": "s3://team-a-checkpoints",
-           "model": "team_a_models.lm:build"}
+           "model": "team_a_models.lm:build", "aws_conn_id": None, "k8s_checkpoint_pvc": "team-a-checkpoints",
+           "tokenizer": "s3://team-a-models/tok/tokenizer.json"}
     assert policy.check(gpu, loaded) == "gpu-8"
+    with pytest.raises(policy.PolicyError, match=r"empty value \(the worker's own keys\): this deployment lends no"):
+        policy.check({**gpu, "aws_conn_id": "team_a_s3"}, loaded)
     with pytest.raises(policy.PolicyError, match=r"rule ceilings of runtime gpu-8: gpus_per_node\)"):
         policy.check({**gpu, "k8s_nnodes": 4, "k8s_gpus_per_node": 9}, loaded)
 
