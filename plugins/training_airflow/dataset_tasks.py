@@ -47,6 +47,9 @@ def register_dataset(params: dict[str, Any]) -> dict[str, Any]:
     """Write or take the dataset, run the data gate, return the Asset event's extra."""
     from training.data.gate import validate
 
+    from training_airflow import policy
+
+    policy.check_dataset(params["dataset_uri"], resolve=settings.resolve_path)  # before anything is written
     root = settings.resolve_path(params["dataset_uri"])
     if params["generate"]:
         from training.data.synthetic import make_teacher_dataset

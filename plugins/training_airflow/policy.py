@@ -313,6 +313,11 @@ def check(params: dict[str, Any], loaded: Loaded | None = None, *, resolve=lambd
     return name
 
 
+def check_dataset(dataset_uri: str, loaded: Loaded | None = None, *, resolve=lambda v: v) -> None:
+    """Refuse a dataset folder outside ``data.dataset_uri`` (register_dataset writes there)."""
+    _check_data({"dataset_uri": dataset_uri}, (loaded or load()).policy.data, resolve)
+
+
 def _check_code(params: dict[str, Any], code: Code, resolve) -> None:
     model = str(params.get("model", ""))
     if model.startswith("hf:"):

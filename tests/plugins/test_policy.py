@@ -259,3 +259,18 @@ def test_the_api_servers_middleware_refuses_a_trigger_outside_the_policy(team, m
     assert status == 200 and len(reached) == 1
     status, _, reached = _request(check, "/api/v2/dags/register_dataset/dagRuns", json.dumps({"conf": None}).encode())
     assert status == 200 and len(reached) == 1
+
+
+def test_register_dataset_writes_only_where_the_policy_lets_datasets_be(team, tmp_path, monkeypatch):
+    """register_dataset writes a folder then announces it: outside data.dataset_uri it is refused before
+    anything is written, naming the rule."""
+    from airflow.exceptions import AirflowFailException
+
+    from training_airflow import dataset_tasks
+
+    monkeypatch.setattr(policy, "load", lambda path=None: team)
+    target = tmp_path / "elsewhere"
+    params = {p: v.value for p, v in dataset_tasks.register_params().items()} | {"dataset_uri": str(target)}
+    with pytest.raises(AirflowFailException, match=r"'dataset_uri'.*rule data.dataset_uri.*'/data', 's3://team-a-data'"):
+        dataset_tasks.register_dataset(params)
+    assert not target.exists()
