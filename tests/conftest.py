@@ -37,6 +37,11 @@ os.environ.update(
     AWS_SECRET_ACCESS_KEY="testing",
     AWS_DEFAULT_REGION="us-east-1",
 )
+# One torch thread per process (the tests' own and every child's, as torchrun gives each rank): the
+# workers share two cores with the ranks and servers they start, and a second thread per process
+# made in-process training wait on its sibling (the GPT-2 pretraining of tests/hf_models.py took
+# 320 s instead of 45 s beside 4 busy processes). Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), os.environ.get("PYTHONPATH")]))
 (_TMP / "mlflow").mkdir(parents=True, exist_ok=True)
 sys.path.insert(0, str(ROOT / "plugins"))
