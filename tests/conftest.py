@@ -5,6 +5,7 @@ dags/ and plugins/ folders. Servers the tests need (moto's S3 server) bind 127.0
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,11 @@ os.environ.update(
     AWS_SECRET_ACCESS_KEY="testing",
     AWS_DEFAULT_REGION="us-east-1",
 )
+# One torch thread per process (the tests' own and every child's, as torchrun gives each rank): the
+# workers share two cores with the ranks and servers they start, and a second thread per process
+# made in-process training wait on its sibling (the GPT-2 pretraining of tests/hf_models.py took
+# 320 s instead of 45 s beside 4 busy processes). Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), os.environ.get("PYTHONPATH")]))
 (_TMP / "mlflow").mkdir(parents=True, exist_ok=True)
 sys.path.insert(0, str(ROOT / "plugins"))
@@ -45,10 +51,11 @@ sys.path.insert(0, str(ROOT / "plugins"))
 # `make test` runs the suite on three pytest-xdist workers (on two cores: much of the time a test
 # waits on Airflow's scheduler, a container or a timeout, and the third worker uses those gaps).
 # Tests that share an expensive fixture run on one worker, in their order, so it is built once:
-# the live Airflow stack (tests/e2e/test_live_*.py), the container engine with the image it
-# builds, and a module's fixture of module scope (trained runs that several tests read). Every
-# other test goes to whichever worker is free; the longest single test (the 3-minute soak) starts
-# first rather than last. Written here rather than with xdist's own `xdist_group` marker, which
+# the session's live Airflow stack (the modules whose tests take ``live_airflow`` or ``live_runs``;
+# test_live_policy.py starts an Airflow of its own and runs beside them), the container engine with
+# the image it builds, and a module's fixture of module scope (trained runs that several tests
+# read). Every other test goes to whichever worker is free; the longest single test (the 3-minute
+# soak) starts first rather than last. Written here rather than with xdist's own `xdist_group` marker, which
 # pytest-xdist 3.8 applies through a node attribute that pytest 9 no longer reads.
 CONTAINER_MODULES = ("test_images.py", "test_pods.py")
 FIRST = ("tests/e2e/test_soak.py",)
@@ -63,11 +70,16 @@ def pytest_xdist_make_scheduler(config, log):
     def shares_a_module_fixture(path: str) -> bool:
         return 'scope="module"' in (Path(config.rootpath) / path).read_text(encoding="utf-8")
 
+    @cache
+    def uses_the_live_stack(path: str) -> bool:
+        text = (Path(config.rootpath) / path).read_text(encoding="utf-8")
+        return re.search(r"^def test_\w+\([^)]*\blive_(airflow|runs)\b", text, re.M) is not None
+
     class SharedFixtureScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             module = Path(path).name
-            if module.startswith("test_live_"):
+            if uses_the_live_stack(path):
                 return "live-airflow"
             if module in CONTAINER_MODULES:
                 return "containers"

@@ -29,7 +29,7 @@ def help_text(tmp_path_factory):
 
 def test_fine_tune_a_causal_lm_from_its_folder(airflow_db, help_text, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    folder = gpt2_folder(tmp_path / "gpt2")
+    folder = gpt2_folder(tmp_path / "gpt2", pretrain_steps=150)
     states, client, run = _run({**HF, "model": f"hf:{folder}", "dataset_uri": str(help_text / "lm"), "steps": 20,
                                 "lr": 1e-4, "experiment": "hf-lm", "store_uri": (tmp_path / "store").as_uri()})
     assert set(states.values()) == {"success"}, states
