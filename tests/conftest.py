@@ -90,6 +90,14 @@ def pytest_xdist_make_scheduler(config, log):
                 self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
+        def _reschedule(self, node) -> None:
+            # One test queued behind the running one (xdist's own keeps two): a worker starts its next
+            # test as soon as one ends either way, and at the end a free worker finds one more in the
+            # queue instead of watching another worker's backlog of minute-long tests.
+            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
+
     return SharedFixtureScheduling(config, log)
 
 
