@@ -38,10 +38,8 @@ os.environ.update(
     AWS_SECRET_ACCESS_KEY="testing",
     AWS_DEFAULT_REGION="us-east-1",
 )
-# One torch thread per process (the tests' own and every child's, as torchrun gives each rank): the
-# workers share two cores with the ranks and servers they start, and a second thread per process
-# made in-process training wait on its sibling (the GPT-2 pretraining of tests/hf_models.py took
-# 320 s instead of 45 s beside 4 busy processes). Set before anything imports torch.
+# One torch thread per process, the tests' own and every child's (as torchrun gives each rank): on
+# a busy machine a second thread spins waiting for its sibling. Set before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), os.environ.get("PYTHONPATH")]))
 (_TMP / "mlflow").mkdir(parents=True, exist_ok=True)
@@ -55,8 +53,8 @@ sys.path.insert(0, str(ROOT / "plugins"))
 # test_live_policy.py starts an Airflow of its own and runs beside them), the container engine with
 # the image it builds, and a module's fixture of module scope (trained runs that several tests
 # read). Every other test goes to whichever worker is free; the longest single test (the 3-minute
-# soak) starts first rather than last. Written here rather than with xdist's own `xdist_group` marker, which
-# pytest-xdist 3.8 applies through a node attribute that pytest 9 no longer reads.
+# soak) starts first rather than last. Written here rather than with xdist's own `xdist_group`
+# marker, which pytest-xdist 3.8 applies through a node attribute that pytest 9 no longer reads.
 CONTAINER_MODULES = ("test_images.py", "test_pods.py")
 FIRST = ("tests/e2e/test_soak.py",)
 
