@@ -38,10 +38,8 @@ os.environ.update(
     AWS_SECRET_ACCESS_KEY="testing",
     AWS_DEFAULT_REGION="us-east-1",
 )
-# One torch thread per process (the tests' own and every child's, as torchrun gives each rank): the
-# workers share two cores with the ranks and servers they start, and a second thread per process
-# made in-process training wait on its sibling (the GPT-2 pretraining of tests/hf_models.py took
-# 320 s instead of 45 s beside 4 busy processes). Set before anything imports torch.
+# One torch thread per process, the tests' own and every child's (as torchrun gives each rank): on
+# a busy machine a second thread spins waiting for its sibling. Set before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), os.environ.get("PYTHONPATH")]))
 (_TMP / "mlflow").mkdir(parents=True, exist_ok=True)
@@ -55,8 +53,8 @@ sys.path.insert(0, str(ROOT / "plugins"))
 # test_live_policy.py starts an Airflow of its own and runs beside them), the container engine with
 # the image it builds, and a module's fixture of module scope (trained runs that several tests
 # read). Every other test goes to whichever worker is free; the longest single test (the 3-minute
-# soak) starts first rather than last. Written here rather than with xdist's own `xdist_group` marker, which
-# pytest-xdist 3.8 applies through a node attribute that pytest 9 no longer reads.
+# soak) starts first rather than last. Written here rather than with xdist's own `xdist_group`
+# marker, which pytest-xdist 3.8 applies through a node attribute that pytest 9 no longer reads.
 CONTAINER_MODULES = ("test_images.py", "test_pods.py")
 FIRST = ("tests/e2e/test_soak.py",)
 
@@ -89,6 +87,14 @@ def pytest_xdist_make_scheduler(config, log):
             for scope in [s for s in self.workqueue if s.startswith(FIRST)]:
                 self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
+
+        def _reschedule(self, node) -> None:
+            # One test queued behind the running one (xdist's own keeps two): a worker starts its next
+            # test as soon as one ends either way, and at the end a free worker finds one more in the
+            # queue instead of watching another worker's backlog of minute-long tests.
+            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
 
     return SharedFixtureScheduling(config, log)
 

@@ -180,7 +180,9 @@ def checkout(tmp_path_factory):
     (tmp / "home").mkdir()
     from tests.hf_models import gpt2_folder
 
-    gpt2 = gpt2_folder(tmp / "my-gpt2", pretrain_steps=100)  # the README's own Hugging Face folder
+    # The README's own Hugging Face folder: weights as save_pretrained writes them, not pretrained
+    # (what is checked here is the command; tests/e2e/test_hf_pipeline.py checks what fine-tuning gains).
+    gpt2 = gpt2_folder(tmp / "my-gpt2", pretrain_steps=0)
     return {"root": _copy_checkout(tmp / "repo"), "env": {"PATH": PATH, "HOME": str(tmp / "home")},
             "placeholders": {"/data/wine": str(wine), "/models/my-gpt2": str(gpt2)}}
 

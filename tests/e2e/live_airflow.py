@@ -106,13 +106,7 @@ class LiveAirflow(AirflowAPI):
     def restart(self, name: str) -> None:
         """Stop one part as a service manager does (SIGTERM to the part and everything it started,
         SIGKILL after 30 s), then start it again."""
-        proc = self.procs[name]
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        self._end([self.procs[name]])
         self._start_part(name)
 
     def _check_alive(self) -> None:
@@ -121,17 +115,21 @@ class LiveAirflow(AirflowAPI):
             logs = {n: (self.home / f"{n}.log").read_text()[-2000:] for n in dead}
             raise RuntimeError(f"Airflow parts exited: {dead}\n{logs}")
 
+    @staticmethod
+    def _end(procs: list[subprocess.Popen]) -> None:
+        """SIGTERM to each process group, SIGKILL to those still there after 30 s."""
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
     def stop(self) -> None:
         # The api-server last: a task still running when the scheduler stops reports its end
-        # through it, and without it retried for the whole 30 s before being killed.
-        last = {n: p for n, p in self.procs.items() if n == "api-server"}
-        for procs in ({n: p for n, p in self.procs.items() if n not in last}, last):
-            for proc in procs.values():
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-            for proc in procs.values():
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+        # through it; without it the task retried for 30 s before being killed.
+        self._end([p for n, p in self.procs.items() if n != "api-server"])
+        self._end([p for n, p in self.procs.items() if n == "api-server"])
