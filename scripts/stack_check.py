@@ -401,9 +401,16 @@ def run_dag(af: AirflowAPI, compose: Compose, bucket: str, clock: Clock,
     return run, watched
 
 
+def s3_as(env: dict[str, str], key: str, secret: str):
+    """A client of the stack's S3 (127.0.0.1:9000) with the keys the .env variables ``key``/``secret`` hold."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=S3, region_name="us-east-1", aws_access_key_id=env[key],
+                        aws_secret_access_key=env[secret])
+
+
 def check_access(env: dict[str, str]) -> list[str]:
     """What the stack must refuse, each tried for real; the refusals as lines for the report."""
-    import boto3
     import botocore.exceptions
 
     seen = []
@@ -422,12 +429,8 @@ def check_access(env: dict[str, str]) -> list[str]:
             raise CheckFailed(f"Airflow's reader triggering: {e.status} (expected 403): {(e.body or '')[:300]}") from None
     seen.append("Airflow: the reader (viewer) triggering distributed_training -> 403")
 
-    def s3(key: str, secret: str):
-        return boto3.client("s3", endpoint_url=S3, region_name="us-east-1", aws_access_key_id=env[key],
-                            aws_secret_access_key=env[secret])
-
-    pipeline = s3("TRAINING_S3_ACCESS_KEY", "TRAINING_S3_SECRET_KEY")
-    mlflow_key = s3("MLFLOW_S3_ACCESS_KEY", "MLFLOW_S3_SECRET_KEY")
+    pipeline = s3_as(env, "TRAINING_S3_ACCESS_KEY", "TRAINING_S3_SECRET_KEY")
+    mlflow_key = s3_as(env, "MLFLOW_S3_ACCESS_KEY", "MLFLOW_S3_SECRET_KEY")
     pipeline.list_objects_v2(Bucket=env["TRAINING_BUCKET"], MaxKeys=1)  # its own bucket answers
     tries = {"the pipeline's key listing s3://mlflow": lambda: pipeline.list_objects_v2(Bucket="mlflow"),
              "the pipeline's key writing s3://mlflow": lambda: pipeline.put_object(Bucket="mlflow", Key="x", Body=b"x"),
@@ -517,10 +520,7 @@ def check_prometheus(run_id: str, watched: dict[str, Any]) -> dict[str, Any]:
 
 def check_s3(env: dict[str, str], mlflow_run_id: str) -> dict[str, Any]:
     """The checkpoint, seen with the root key (what an operator sees)."""
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=S3, region_name="us-east-1", aws_access_key_id=env["MINIO_ROOT_USER"],
-                      aws_secret_access_key=env["MINIO_ROOT_PASSWORD"])
+    s3 = s3_as(env, "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD")
     prefix = f"checkpoints/{DAG}/{mlflow_run_id}/"
     keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=env["TRAINING_BUCKET"],
                                                                              Prefix=prefix)

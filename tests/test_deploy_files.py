@@ -64,6 +64,12 @@ def test_compose_refuses_to_start_without_the_secrets(tmp_path):
     assert re.search(r"required variable \w+ is missing a value: set \w+ in \.env", out.stderr), out.stderr
 
 
+def env_example_values() -> dict[str, str]:
+    """.env.example's variables and their placeholder values."""
+    return dict(line.split("=", 1) for line in (ROOT / ".env.example").read_text().splitlines()
+                if line and not line.startswith("#"))
+
+
 @pytest.fixture(scope="module")
 def stack() -> dict:
     out = compose("-f", str(COMPOSE_FILE), "config", "--format", "json")
@@ -112,8 +118,7 @@ def test_each_service_holds_only_its_own_keys(stack):
     """MinIO's root key stays with MinIO and its init job; the pipeline and MLflow each have a MinIO user
     of their own; the pipeline writes to MLflow as its own MLflow user; MLflow runs its basic-auth app."""
     services = stack["services"]
-    env_example = dict(line.split("=", 1) for line in (ROOT / ".env.example").read_text().splitlines()
-                       if line and not line.startswith("#"))
+    env_example = env_example_values()
     root_key = env_example["MINIO_ROOT_PASSWORD"]
     holders = {name for name, svc in services.items() if root_key in json.dumps(svc.get("environment", {}))}
     assert holders == {"minio", "minio-init"}
@@ -148,8 +153,7 @@ def test_published_ports_listen_on_loopback_only(stack):
 
 def test_no_secret_is_written_into_the_compose_file():
     text = COMPOSE_FILE.read_text()
-    example = dict(line.split("=", 1) for line in (ROOT / ".env.example").read_text().splitlines()
-                   if line and not line.startswith("#"))
+    example = env_example_values()
     for key, value in example.items():
         if value and ("PASSWORD" in key or "SECRET" in key or "KEY" in key):
             assert value not in text, key

@@ -210,8 +210,9 @@ def presigned_as_signed(environ: dict, users: Users) -> str | None:
         return "AccessDenied: Request has expired"
     signed = query["X-Amz-SignedHeaders"].split(";")
     headers = {h: (environ.get("HTTP_" + h.upper().replace("-", "_")) or "").strip() for h in signed}
+    path = environ.get("RAW_URI", environ["PATH_INFO"]).split("?")[0]
     canonical = "\n".join([
-        environ["REQUEST_METHOD"], quote(environ.get("RAW_URI", environ["PATH_INFO"]).split("?")[0], safe="/~%"),
+        environ["REQUEST_METHOD"], quote(path, safe="/~%"),
         "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(query.items())
                  if k != "X-Amz-Signature"),
         "".join(f"{h}:{headers[h]}\n" for h in signed), ";".join(signed), "UNSIGNED-PAYLOAD"])
@@ -222,7 +223,6 @@ def presigned_as_signed(environ: dict, users: Users) -> str | None:
     if not hmac.compare_digest(hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest(), query["X-Amz-Signature"]):
         return "SignatureDoesNotMatch"
     rest = "&".join(f"{a}={b}" for a, b, *_ in pairs if not unquote(a).startswith("X-Amz-"))
-    path = environ.get("RAW_URI", environ["PATH_INFO"]).split("?")[0]
     req = AWSRequest(environ["REQUEST_METHOD"], f"http://{environ['HTTP_HOST']}{path}{'?' + rest if rest else ''}",
                      headers={"X-Amz-Content-SHA256": "UNSIGNED-PAYLOAD"})
     S3SigV4Auth(Credentials(key, secret), "s3", "us-east-1").add_auth(req)
@@ -241,7 +241,8 @@ def admin_app(users: Users, inner):
             return [b""]
         if "Signature=" in environ.get("QUERY_STRING", "") and "X-Amz-Signature=" not in environ["QUERY_STRING"]:
             start_response("403 Forbidden", [("Content-Type", "application/xml")])  # moto fails on these with a 500
-            return [b"<Error><Code>AccessDenied</Code><Message>the stand-in plays SigV4 presigned URLs only</Message></Error>"]
+            return [b"<Error><Code>AccessDenied</Code><Message>the stand-in plays SigV4 presigned URLs only</Message>"
+                    b"</Error>"]
         if "X-Amz-Signature=" in environ.get("QUERY_STRING", ""):
             refused = presigned_as_signed(environ, users)
             if refused:
@@ -289,7 +290,9 @@ def minio(args: list[str]) -> int:
     users = Users(os.environ.get("MINIO_ROOT_USER", "minioadmin"), os.environ.get("MINIO_ROOT_PASSWORD", "minioadmin"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # PID 1 in its container: no default action
     settings.INITIAL_NO_AUTH_ACTION_COUNT = 0  # every request is authenticated and authorized from the first
-    run_simple(os.environ.get("S3_STANDIN_HOST", "0.0.0.0"), int(os.environ.get("S3_STANDIN_PORT", "9000")), admin_app(users, DomainDispatcherApplication(create_backend_app)), threaded=True)
+    # In its container it serves the compose network on 0.0.0.0, as MinIO does; S3_STANDIN_* move it (a run by hand).
+    host, port = os.environ.get("S3_STANDIN_HOST", "0.0.0.0"), int(os.environ.get("S3_STANDIN_PORT", "9000"))
+    run_simple(host, port, admin_app(users, DomainDispatcherApplication(create_backend_app)), threaded=True)
     return 0
 
 

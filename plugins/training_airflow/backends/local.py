@@ -220,7 +220,8 @@ def run_torchrun(params: dict[str, Any], validated: Validated) -> dict[str, Any]
                                output_dir=str(run_dir / "output"), dataset_fingerprint=validated["dataset_fingerprint"],
                                token_shards=validated.get("token_shards", ""))
     cfg.check_device(cuda_available())  # the ranks run on this machine: refuse what it cannot do
-    cfg.metrics_host = settings.local_metrics_host(cfg.metrics_host, type(cfg).__dataclass_fields__["metrics_host"].default)
+    default_host = type(cfg).__dataclass_fields__["metrics_host"].default
+    cfg.metrics_host = settings.local_metrics_host(cfg.metrics_host, default_host)
     config_path = run_dir / "train_config.json"
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
