@@ -31,7 +31,8 @@ from training.data.dataset import Dataset, Split, open_dataset
 from training.data.options import DataOptions
 from training.data.sampler import ShardedSampler
 from training.data.stream import NpyBlocks, StreamLoader
-from training.data.tokens import TokenDataset, open_shards
+from training.data.table_stream import ParquetBlocks
+from training.data.tokens import open_shards
 from training.distributed import faults, parallel, precision
 from training.distributed.launch import EXIT_PREEMPTED
 from training.distributed.resilience import Phase, Preempted, Preemption, RankRecord, ReplicaCheck
@@ -71,14 +72,14 @@ def _seed_everything(seed: int) -> None:
 
 @dataclass
 class Prepared:
-    """What a run trains on, checked: the opened dataset, the model's spec and the train split
-    (in memory), or, for token shards, its first rows and its blocks to stream."""
+    """What a run trains on, checked: the opened dataset, the model's spec, the train split's
+    first rows (with its statistics and what a rank holds of it) and its blocks to stream."""
 
     dataset: Dataset
     spec: ModelSpec
     train: Split
+    blocks: NpyBlocks | ParquetBlocks
     memory: Estimate | None = None  # this rank's estimated peak (the memory preflight)
-    blocks: NpyBlocks | None = None
 
 
 def prepare(cfg: TrainConfig, dataset: Dataset | None = None,
@@ -99,16 +100,16 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None,
         dataset = open_dataset(cfg.dataset_uri, DataOptions.of(cfg), expect_fingerprint=cfg.dataset_fingerprint or None)
     meta = dataset.meta
     cfg.check_dataset(meta)
-    # Token shards stream (training/data/stream.py): only the rows the model check runs on are read here.
-    blocks = dataset.blocks("train") if isinstance(dataset, TokenDataset) else None
-    train = dataset.split("train", limit=2) if blocks is not None else dataset.split("train")
+    # The train split streams (training/data/stream.py): only the rows the model check runs on are
+    # read here, and for a table one pass, row group by row group, for its statistics.
+    train, blocks = dataset.stream("train", cfg.shuffle_window)
     spec = ModelSpec.for_data(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads,
                               dropout=cfg.dropout, model_args=cfg.model_args, train=train)
     # The model first (on two rows; on the meta device under fsdp): a broken factory is named as such,
     # then the memory preflight counts the model that was checked.
     check_model(spec, train.features[:2], strategy=cfg.strategy)
     memory = memory_check(spec, train) if memory_check is not None else None
-    return Prepared(dataset=dataset, spec=spec, train=train, memory=memory, blocks=blocks)
+    return Prepared(dataset=dataset, spec=spec, train=train, blocks=blocks, memory=memory)
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
@@ -161,13 +162,11 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.scaler = precision.grad_scaler(cfg.precision, info.device)
         blocks = prepared.blocks
-        self.sampler = ShardedSampler(sum(blocks.sizes) if blocks else len(train.features), global_batch=cfg.batch_size,
-                                      rank=info.rank, world_size=info.world_size, seed=cfg.seed,
-                                      blocks=blocks.sizes if blocks else None, window=cfg.shuffle_window)
+        self.sampler = ShardedSampler(sum(blocks.sizes), global_batch=cfg.batch_size, rank=info.rank,
+                                      world_size=info.world_size, seed=cfg.seed, blocks=blocks.sizes,
+                                      window=blocks.window_for(cfg.shuffle_window))
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.sampler, self.scaler)
-        self.loader = StreamLoader(blocks, self.sampler) if blocks else None
-        self.features = torch.from_numpy(train.features) if blocks is None else None
-        self.labels = torch.from_numpy(train.labels) if train.labels is not None and blocks is None else None
+        self.loader = StreamLoader(blocks, self.sampler)
         self.micro_batch = cfg.batch_size // info.world_size // cfg.grad_accum
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -221,8 +220,7 @@ class Trainer:
                     final_uri = self.checkpointer.finalize(self.state, self.model, self.spec, self.tokenizer_file)
         finally:
             self.recorder.close()
-            if self.loader is not None:
-                self.loader.close()
+            self.loader.close()
         return self._summary(final_uri, resumed_from, wall_start)
 
     def _loop(self) -> None:
@@ -282,13 +280,9 @@ class Trainer:
                           data_s=data_s, exposed=exposed, comm=comm)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's rows of the next global batch: streamed, or indexed in memory."""
-        if self.loader is not None:
-            x, y = self.loader.next_batch()
-            x_all, y_all = torch.from_numpy(x), (torch.from_numpy(y) if y is not None else None)
-        else:
-            idx = torch.from_numpy(self.sampler.next_indices())
-            x_all, y_all = self.features[idx], (self.labels[idx] if self.labels is not None else None)
+        """This rank's rows of the next global batch, streamed."""
+        x, y = self.loader.next_batch()
+        x_all, y_all = torch.from_numpy(x), (torch.from_numpy(y) if y is not None else None)
         device = self.info.device
         return x_all.to(device, non_blocking=True), (y_all.to(device, non_blocking=True) if y_all is not None else None)
 

@@ -169,10 +169,11 @@ class TrainConfig:
         60, "after SIGTERM, seconds a rank may take to checkpoint and exit before it exits anyway",
         title="Preemption grace (s)", minimum=1, maximum=3600, section=ADVANCED)
     shuffle_window: int = knob(
-        16, "blocks of token windows (about 1 MiB of shard each) shuffled together: a rank holds this window and reads "
-        "the next ahead, so its memory stays about 2 x shuffle_window MiB whatever the data's size; the blocks are "
-        "permuted each epoch, the windows in a block window shuffled (larger: closer to a full shuffle)",
-        title="Shuffle window (blocks)", minimum=1, maximum=65_536, section=ADVANCED)
+        16, "MiB of training rows shuffled together (blocks of about 1 MiB of token windows; a table's whole row "
+        "groups, at least one): a rank holds this window and reads the next ahead, so its memory stays about "
+        "2 x shuffle_window MiB whatever the data's size; the blocks are permuted each epoch, the rows in a window "
+        "shuffled (larger: closer to a full shuffle)",
+        title="Shuffle window (MiB)", minimum=1, maximum=65_536, section=ADVANCED)
     metrics_port: int = knob(
         9400, "each rank serves Prometheus metrics on this port + its local rank (0 = none); a port another "
         "process holds: a free port instead, named in a warning", title="Metrics port", minimum=0, maximum=65_000,

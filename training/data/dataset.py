@@ -2,41 +2,22 @@
 splits, each read once) and ``Dataset.split(name, spec)`` gives a split's features (float32
 ``[n, d]``; int64 token sequences) and labels (class indices, mapped through ``classes`` when they
 are not 0..C-1; float32 targets for regression; none for tokens) for the columns the model spec
-names, or without one the dataset's description. Data that changed since the gate is refused.
+names, or without one the dataset's description; ``Dataset.stream(name, ...)`` the same, row group
+by row group (training/data/table_stream.py). Data that changed since the gate is refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
-
-import numpy as np
 
 from training.config.fields import ConfigError
 from training.data.schema import DatasetSchema, declares_schema, describe, infer_schema, profile, schema_from_meta
 from training.data.options import DataOptions
 from training.data.sources import TABLE, Layout, discover, read_files
+from training.data.arrays import Columns, Split, to_arrays
 from training.data.split import validation_rows
-
-
-@dataclass(frozen=True)
-class Columns:
-    """What to read of a table: the feature columns (int64 for token ids, else float32), the label,
-    and how its values map to targets (classes by index, a regression label as it is)."""
-
-    features: list[str]
-    label: str | None
-    task: str
-    classes: list[Any] | None
-    integer_features: bool
-
-
-@dataclass
-class Split:
-    features: np.ndarray  # float32 [n, d] (tabular, images) or int64 [n, seq_len + 1] (tokens)
-    labels: np.ndarray | None  # int64 class indices [n], float32 targets [n] (regression); None for tokens
-    held_bytes: int | None = None  # what a rank holds of the split when streamed (None: these arrays)
+from training.data.table_stream import ParquetBlocks, TableParts, label_scan, scan
 
 
 class Dataset:
@@ -68,11 +49,22 @@ class Dataset:
                 self._tables["train"], self._tables["validation"] = whole.filter(~val), whole.filter(val)
         return self._tables[split]
 
+    def parts(self, split: str) -> TableParts:
+        """Split ``split`` row group by row group (training/data/table_stream.py)."""
+        return TableParts(self.layout, split, self.options)
+
     @property
     def meta(self) -> dict[str, Any]:
-        """The description (training.data.schema.describe); ConfigError names a field to fix."""
+        """The description (training.data.schema.describe); ConfigError names a field to fix. A
+        table's is inferred from train read one row group at a time (its label column only, but
+        every column in the one-table layout, whose split hashes them); text reads train whole."""
         if self._meta is None:
-            self._meta = describe(self.layout.meta, self.options, lambda: self.table("train"))
+            if self.options.text_column:
+                self._meta = describe(self.layout.meta, self.options, lambda: self.table("train"))
+            else:
+                parts = self.parts("train")
+                self._meta = describe(self.layout.meta, self.options, lambda: parts.schema.empty_table(),
+                                      label_scan=lambda label: label_scan(parts, label))
         return self._meta
 
     def declared_schema(self) -> DatasetSchema | None:
@@ -103,35 +95,27 @@ class Dataset:
         return Columns(features=list(spec.features), label=spec.label, task=spec.task, classes=spec.classes,
                        integer_features=spec.kind == "tokens")
 
+    def stream(self, name: str, shuffle_window: int) -> tuple[Split, ParquetBlocks]:
+        """Split ``name`` to stream (training/data/stream.py): its first two rows (the model's
+        check), with the whole split's statistics where the description asks for them (one pass,
+        one row group at a time) and what a rank holds of it; and its blocks."""
+        meta, columns = self.meta, self.columns()
+        parts = self.parts(name)
+        normalize = bool(meta.get("normalize")) and meta.get("kind") == "tabular"
+        regression = columns.task == "regression" and meta.get("kind") == "tabular"
+        found = scan(parts, columns, features=normalize, labels=regression)
+        blocks = ParquetBlocks(parts, columns, found.counts)
+        head = to_arrays(parts.read(blocks.groups[0], blocks.read_columns).slice(0, 2), columns)
+        head.stats = found.stats
+        head.held_bytes = blocks.held_bytes(blocks.window_for(shuffle_window))
+        return head, blocks
+
     def split(self, name: str, spec: Any = None, *, limit: int | None = None) -> Split:
         """Arrays of split ``name`` as ``columns(spec)`` says; ``limit``: the first rows only."""
         table = self.table(name)
         if limit is not None:
             table = table.slice(0, limit)
         return to_arrays(table, self.columns(spec))
-
-
-def to_arrays(table, c: Columns) -> Split:
-    """``table``'s columns as the model reads them (see the module docstring)."""
-    dtype = np.int64 if c.integer_features else np.float32
-    cols = [_to_numpy(table.column(name)) for name in c.features]
-    x = np.stack(cols, axis=1).astype(dtype) if cols else np.empty((table.num_rows, 0), dtype=dtype)
-    label = c.label
-    if not label:
-        return Split(features=x, labels=None)
-    y = _to_numpy(table.column(label))
-    if c.task == "regression":
-        return Split(features=x, labels=y.astype(np.float32))
-    classes = c.classes
-    if classes is None:
-        return Split(features=x, labels=y.astype(np.int64))
-    known = np.asarray(classes)
-    idx = np.clip(np.searchsorted(known, y), 0, len(known) - 1)
-    unknown = y[known[idx] != y]
-    if len(unknown):
-        raise ValueError(f"label {label!r} holds values the model does not know: {sorted(set(unknown.tolist()))[:5]} "
-                         f"(its classes: {list(classes)[:20]})")
-    return Split(features=x, labels=idx.astype(np.int64))
 
 
 def open_dataset(uri: str | Path, options: DataOptions | None = None, *, env: Mapping[str, str] | None = None,
@@ -150,17 +134,3 @@ def load_split(root: str | Path | Dataset, split: str, spec: Any = None) -> Spli
     """Split ``split`` of a dataset (a Dataset, or a folder opened with the default options)."""
     ds = root if isinstance(root, Dataset) else open_dataset(root)
     return ds.split(split, spec)
-
-
-def _to_numpy(column) -> np.ndarray:
-    """One Arrow column as a numpy array, through DLPack (no copy) where it applies: pyarrow's
-    ``to_numpy`` goes through its pandas bridge, and importing pandas slows every rank's start-up
-    (docs/benchmarks.md, "What changed"). Columns DLPack cannot take (nulls, other types) use ``to_numpy``."""
-    try:
-        if column.num_chunks:
-            return np.concatenate([np.from_dlpack(chunk) for chunk in column.chunks])
-    except (BufferError, TypeError, ValueError, NotImplementedError):
-        pass
-    return column.to_numpy(zero_copy_only=False)
-
-

@@ -193,11 +193,14 @@ def _missing(column) -> int:
     return column.null_count + nan
 
 
-def describe(meta: dict[str, Any] | None, options: DataOptions, train: Callable[[], Any]) -> dict[str, Any]:
+def describe(meta: dict[str, Any] | None, options: DataOptions, train: Callable[[], Any],
+             label_scan: Callable[[str], tuple[int, Any]] | None = None) -> dict[str, Any]:
     """The dataset's description, what training and the model spec read: ``kind``, ``features``,
     ``feature_dtype``, ``label``, ``task`` (+ ``task_reason``), ``n_classes`` (1 for regression),
     ``classes`` (inferred classification), ``normalize`` (standardize features). From
-    ``dataset.json`` when it names the features, else from ``train()`` (an Arrow table) and ``options``."""
+    ``dataset.json`` when it names the features, else from ``train()`` (an Arrow table) and ``options``;
+    a table with ``label_scan`` (``label`` -> its missing values and distinct values in train,
+    training/data/table_stream.py) needs of ``train()`` its schema only."""
     if meta and "features" in meta:
         kind = meta.get("kind", "tabular")
         task = meta.get("task") or "classification"
@@ -211,11 +214,13 @@ def describe(meta: dict[str, Any] | None, options: DataOptions, train: Callable[
         return out
     if options.text_column:
         return _describe_text(train(), options)
-    described = _describe_table(train(), options)
+    described = _describe_table(train(), options, label_scan)
     return {**described, **{k: v for k, v in (meta or {}).items() if k == "normalize"}}
 
 
-def _describe_table(table, options: DataOptions) -> dict[str, Any]:
+def _describe_table(table, options: DataOptions,
+                    label_scan: Callable[[str], tuple[int, Any]] | None = None) -> dict[str, Any]:
+    """From the train split, or from its schema (``table``: no rows needed) and ``label_scan``."""
     names = table.column_names
     label = options.label_column
     if label not in names:
@@ -225,12 +230,13 @@ def _describe_table(table, options: DataOptions) -> dict[str, Any]:
     if not _numeric(ltype):
         raise ConfigError("label_column", f"{label!r} holds {type_name(ltype)} values, not numbers",
                           "write classes as integers (any integer codes) and regression targets as numbers")
-    missing = _missing(table.column(label))
+    missing, values = label_scan(label) if label_scan is not None else (_missing(table.column(label)),
+                                                                         table.column(label))
     if missing:
         raise ConfigError("label_column", f"{label!r} has {missing} missing values (null or NaN) in the train split",
                           "drop those rows or fill in their labels")
     features, ignored = _features(table, options)
-    task, reason, classes = label_task(table.column(label), label, options.task)
+    task, reason, classes = label_task(values, label, options.task)
     out: dict[str, Any] = {"kind": "tabular", "features": features, "feature_dtype": "float", "label": label,
                            "task": task, "task_reason": reason, "n_classes": len(classes) if classes else 1,
                            "normalize": True, "ignored_columns": ignored, "source": "inferred from the train split"}
@@ -257,7 +263,7 @@ def _describe_text(table, options: DataOptions) -> dict[str, Any]:
                            "features": [col], "label": None, "source": "inferred from the train split"}
     label = options.label_column
     if label in names and label != col:
-        task, reason, classes = label_task(table.column(label), label, options.task)
+        task, reason, classes = label_task(values, label, options.task)
         if task != "classification":
             raise ConfigError("task", f"text with label {label!r} trains a classifier, but {reason}",
                               "write the classes as integers, or leave label_column out of the table to train a "

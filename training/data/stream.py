@@ -1,5 +1,6 @@
 """Streamed training data: a split read block by block (``NpyBlocks``: runs of rows of ``.npy``
-shards, e.g. token windows), never whole. ``StreamLoader`` serves a rank's batches in the
+shards, e.g. token windows; ``ParquetBlocks`` in training/data/table_stream.py: a table's row
+groups), never whole. ``StreamLoader`` serves a rank's batches in the
 sampler's global order (training/data/sampler.py) from a bounded buffer: the rows of the current
 shuffle window, and the next window read ahead by one background thread. A rank's memory is two
 windows, whatever the split's size. Why this and not a library:
@@ -55,9 +56,14 @@ class NpyBlocks:
         labels = folder / f"{split}_labels.npy"
         self.labels = NpyRows(labels) if labels.is_file() else None
         self.dtype = np.dtype(dtype)
+        self.label_dtype = np.dtype(np.int64)
         n = self.rows.shape[0]
         self.per_block = max(1, block_bytes // self.rows.row_bytes)
         self.sizes = [min(self.per_block, n - a) for a in range(0, n, self.per_block)]
+
+    def window_for(self, shuffle_window: int) -> int:
+        """Blocks per shuffle window: ``shuffle_window`` (a block is about 1 MiB)."""
+        return shuffle_window
 
     def held_bytes(self, window: int) -> int:
         """The most a ``StreamLoader`` holds: two windows of ``window`` blocks."""
@@ -113,7 +119,7 @@ class StreamLoader:
         if parts[0][0][1] is None:
             return x, None
         ys = [wy[local] for (_, wy), local in parts]
-        return x, (ys[0] if len(ys) == 1 else np.concatenate(ys)).astype(np.int64, copy=False)
+        return x, (ys[0] if len(ys) == 1 else np.concatenate(ys)).astype(self.source.label_dtype, copy=False)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

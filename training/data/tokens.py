@@ -193,6 +193,14 @@ class TokenDataset:
         """Split ``name`` to stream block by block (training/data/stream.py)."""
         return NpyBlocks(self.folder, name)
 
+    def stream(self, name: str, shuffle_window: int) -> tuple[Split, NpyBlocks]:
+        """Split ``name`` to stream: its first two rows (the model's check), with what a rank holds
+        of it, and its blocks."""
+        blocks = self.blocks(name)
+        head = self.split(name, limit=2)
+        head.held_bytes = blocks.held_bytes(blocks.window_for(shuffle_window))
+        return head, blocks
+
     @property
     def tokenizer_file(self) -> Path:
         return self.folder / TOKENIZER

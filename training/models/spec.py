@@ -84,11 +84,13 @@ class ModelSpec:
             out.update(in_features=len(meta["features"]), n_classes=1 if task == "regression" else int(meta["n_classes"]))
             if (meta.get("normalize") or task == "regression") and train is None:
                 raise ValueError("ModelSpec.for_data needs the train rows to compute the normalization statistics")
+            # A streamed split's statistics come with its first rows (one pass over the whole split).
+            stats = getattr(train, "stats", None) or {}
             if meta.get("normalize"):
-                mean, std = column_stats(train.features)
+                mean, std = stats_lists(*stats["features"]) if "features" in stats else column_stats(train.features)
                 out["normalization"] = {"mean": mean, "std": std}
             if task == "regression":
-                (t_mean,), (t_std,) = column_stats(train.labels)
+                (t_mean,), (t_std,) = stats_lists(*stats["labels"]) if "labels" in stats else column_stats(train.labels)
                 out["target"] = {"mean": t_mean, "std": t_std}
         elif kind == "images":
             out.update(image_shape=list(meta["image_shape"]), n_classes=int(meta["n_classes"]))
@@ -144,6 +146,11 @@ def column_stats(values: np.ndarray) -> tuple[list[float], list[float]]:
     """Mean and standard deviation per column, in float64 then float32 (a constant column gets
     std 1: it is centred, not blown up)."""
     v = np.asarray(values, dtype=np.float64).reshape(len(values), -1)
-    mean, std = v.mean(axis=0), v.std(axis=0)
+    return stats_lists(v.mean(axis=0), v.std(axis=0))
+
+
+def stats_lists(mean: np.ndarray, std: np.ndarray) -> tuple[list[float], list[float]]:
+    """Per-column mean and standard deviation (float64) as the spec keeps them: float32 values, a
+    constant column's std 1."""
     std = np.where(std > 0, std, 1.0)
     return [float(np.float32(m)) for m in mean], [float(np.float32(s)) for s in std]

@@ -1,0 +1,79 @@
+"""A table larger than the memory limit trains, and resumes exactly: a Parquet train split whose
+rows, as the model reads them, outweigh the whole job's cgroup memory limit (the torchrun agent
+and both ranks in one group, as a pod's processes are) streams row group by row group; a rank
+SIGKILLed mid-row-group restarts the group, which resumes from the newest checkpoint and ends
+bit-identical to an uninterrupted run under the same limit. The whole-table path held the table
+twice (Arrow's columns and the float32 array) on every rank."""
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests import memlimit
+from tests.conftest import free_port
+from tests.training.test_text_resume import _final, _losses
+from training.distributed.launch import torchrun_command
+
+LIMIT = 1536 << 20  # the job's limit: agent + 2 ranks (the memory preflight wants about this much)
+FEATURES = 64
+GROUP_ROWS = 65_536  # 17 MiB of float32 rows a row group
+GROUPS = 100  # 6.5M rows: 1.6 GiB as the model reads them (float32 features, int64 labels)
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def big_table(tmp_path_factory):
+    root = tmp_path_factory.mktemp("table") / "data"
+    names = [f"f{i}" for i in range(FEATURES)]
+    schema = pa.schema([*(pa.field(n, pa.float32()) for n in names), pa.field("label", pa.int64())])
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=FEATURES).astype(np.float32)
+
+    def group(n):
+        x = rng.standard_normal((n, FEATURES), dtype=np.float32)
+        return pa.table([*x.T, (x @ w > 0).astype(np.int64)], schema=schema)
+
+    (root / "train").mkdir(parents=True)
+    (root / "validation").mkdir()
+    with pq.ParquetWriter(root / "train" / "part-0.parquet", schema, compression="none", use_dictionary=False) as out:
+        for _ in range(GROUPS):
+            out.write_table(group(GROUP_ROWS), row_group_size=GROUP_ROWS)
+    pq.write_table(group(2_000), root / "validation" / "part-0.parquet")
+    (root / "dataset.json").write_text(json.dumps({"features": names, "label": "label", "n_classes": 2,
+                                                   "normalize": False}))
+    return root
+
+
+def _run(group, data, root, *, env=None, max_restarts=0):
+    sets = {"dataset_uri": data, "model": "mlp", "hidden": 32, "depth": 1, "steps": STEPS, "checkpoint_every": 10,
+            "batch_size": 64, "log_every": 5, "warmup_steps": 5, "eval_every": 0, "target_metric": "none",
+            "checkpoint_dir": root / "ck", "output_dir": root / "out", "shuffle_window": 32}
+    cmd = torchrun_command([a for k, v in sets.items() for a in ("--set", f"{k}={v}")], nproc_per_node=2,
+                           master_port=free_port(), max_restarts=max_restarts)
+    full_env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}, "GLOO_SOCKET_IFNAME": "lo",
+                "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env, preexec_fn=group.enter)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not memlimit.available(), reason="needs root and the cgroup v1 memory controller")
+def test_a_table_larger_than_the_memory_limit_trains_and_resumes_bit_identical(big_table, tmp_path):
+    rows = pq.ParquetFile(big_table / "train" / "part-0.parquet").metadata.num_rows
+    assert rows * (FEATURES * 4 + 8) > LIMIT
+    base, killed = tmp_path / "base", tmp_path / "killed"
+    with memlimit.MemoryGroup("dtp-table", LIMIT) as group:
+        _run(group, big_table, base)
+        proc = _run(group, big_table, killed, max_restarts=1, env={"TRAINING_FAULT_KILL_AT_STEP": "15:1"})
+        assert group.oom_kills == 0, "a process of the job was OOM-killed"
+        print(f"peak of the job's memory group: {group.peak / 2**20:.0f} MiB (limit {LIMIT >> 20} MiB)")
+    assert "rank 1 SIGKILLs itself after step 15" in proc.stdout and "(step 10)" in proc.stdout
+    assert _final(killed, STEPS) == _final(base, STEPS)
+    got, want = _losses(killed), _losses(base)
+    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
