@@ -1,5 +1,6 @@
 """Scoring a model: one loop (``score``) for evaluation during training (``Evaluator``, sharded
-over the ranks) and after it, from a checkpoint in the store (``run``):
+over the ranks) and after it, from a checkpoint in the store (``run``). Token shards' validation
+split is streamed from its blocks (``score_blocks``), never held whole; a table's is in memory:
 
     python -m training evaluate --store-uri file:///tmp/store --experiment demo --run-id RUN \
         --dataset-uri var/data/teacher
@@ -19,8 +20,9 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,7 +33,7 @@ from training.distributed.parallel import DistInfo, for_evaluation
 from training.metrics.formulas import bits_per_byte, target_reached
 from training.metrics.steps import RunClock
 from training.results import reports
-from training.data.dataset import Dataset, open_dataset
+from training.data.dataset import Dataset, Split, open_dataset
 from training.log import logger
 from training.models.generate import continue_text
 from training.models.loss import loss_fn, split_batch
@@ -40,17 +42,61 @@ from training.data.options import DataOptions
 from training.data.tokens import TokenDataset, open_shards
 
 
-@torch.no_grad()
-def score(model: torch.nn.Module, kind: str, features: torch.Tensor, labels: torch.Tensor | None,
-          batch: int = 2048, *, device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1,
-          autocast=contextlib.nullcontext, task: str = "classification", target_var: float = 1.0) -> dict[str, float]:
-    """Classification: mean cross-entropy and accuracy (for tokens per predicted token);
-    regression: loss, RMSE and R² (see the module docstring).
+class _Rows:
+    """A split in memory (tensors), read by ranges."""
 
-    With ``world_size`` > 1 (a process group is up) rank ``rank`` scores a contiguous
-    1/world of the rows and the sums are all-reduced, so every rank gets the same figures. Every
-    rank runs the same number of forward calls (FSDP all-gathers parameters in each one)."""
-    n = len(features)
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor | None):
+        self.features, self.labels = features, labels
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+    def take(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.features[a:b], self.labels[a:b] if self.labels is not None else None
+
+
+class _BlockRows:
+    """A split streamed from a blocks source (``.sizes``: rows per block; ``.read_window(ids)`` ->
+    (features, labels | None) numpy arrays of those blocks' rows; ``.dtype``, if it has one: what
+    features are converted to), read forward by ranges: only the blocks a range touches are read,
+    and the last ones read are kept for the next range, so a reader holds one batch and a block or two."""
+
+    def __init__(self, source: Any):
+        self.source = source
+        self.starts = np.concatenate([[0], np.cumsum(np.asarray(source.sizes, dtype=np.int64))])
+        self.dtype = getattr(source, "dtype", None)  # NpyBlocks: int64, for token ids kept as uint16
+        self._lo = self._hi = 0
+        self._x: np.ndarray | None = None
+        self._y: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def take(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._x is None or not (self._lo <= a and b <= self._hi):
+            first = int(np.searchsorted(self.starts, a, side="right")) - 1 if a < b else 0
+            stop = int(np.searchsorted(self.starts, b, side="left")) if a < b else 0  # past the block of row b - 1
+            self._x, self._y = self.source.read_window(np.arange(first, stop, dtype=np.int64))
+            self._lo, self._hi = (int(self.starts[first]), int(self.starts[stop])) if a < b else (a, a)
+        x = self._x[a - self._lo : b - self._lo]
+        y = self._y[a - self._lo : b - self._lo] if self._y is not None else None
+        x = x.astype(self.dtype) if self.dtype is not None else np.ascontiguousarray(x)
+        return torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(y)) if y is not None else None
+
+
+def _rows(split: Any) -> _Rows | _BlockRows:
+    """A Split (training.data.dataset) in memory, or any blocks source (see ``_BlockRows``) streamed."""
+    if isinstance(split, Split):
+        return _Rows(torch.from_numpy(split.features),
+                     torch.from_numpy(split.labels) if split.labels is not None else None)
+    return _BlockRows(split)
+
+
+@torch.no_grad()
+def _score(model: torch.nn.Module, kind: str, rows: _Rows | _BlockRows, batch: int = 2048, *,
+           device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1, autocast=contextlib.nullcontext,
+           task: str = "classification", target_var: float = 1.0) -> dict[str, float]:
+    n = len(rows)
     bounds = [n * r // world_size for r in range(world_size + 1)]
     lo, hi = bounds[rank], bounds[rank + 1]
     n_batches = math.ceil(max(b - a for a, b in zip(bounds, bounds[1:])) / batch)
@@ -60,9 +106,8 @@ def score(model: torch.nn.Module, kind: str, features: torch.Tensor, labels: tor
     sums = torch.zeros(4, dtype=torch.float64)
     try:
         for b in range(n_batches):
-            s, e = min(hi, lo + b * batch), min(hi, lo + (b + 1) * batch)
-            inputs, target = split_batch(kind, features[s:e].to(device),
-                                         labels[s:e].to(device) if labels is not None else None)
+            x, y = rows.take(min(hi, lo + b * batch), min(hi, lo + (b + 1) * batch))
+            inputs, target = split_batch(kind, x.to(device), y.to(device) if y is not None else None)
             with autocast():
                 logits = model(inputs)
             if target.numel() == 0:  # this rank's share ran out; the forward still ran (FSDP)
@@ -88,11 +133,36 @@ def score(model: torch.nn.Module, kind: str, features: torch.Tensor, labels: tor
     return {"eval/loss": a / c, "eval/accuracy": b / c}
 
 
-def score_spec(model: torch.nn.Module, spec: ModelSpec, split, **kwargs: Any) -> dict[str, float]:
-    """``score`` a model on a split (training.data.dataset.Split), as its spec says (kind, task, target)."""
-    labels = torch.from_numpy(split.labels) if split.labels is not None else None
-    return score(model, spec.kind, torch.from_numpy(split.features), labels, task=spec.task,
-                 target_var=spec.target_variance, **kwargs)
+def score(model: torch.nn.Module, kind: str, features: torch.Tensor, labels: torch.Tensor | None,
+          batch: int = 2048, **kwargs: Any) -> dict[str, float]:
+    """Classification: mean cross-entropy and accuracy (for tokens per predicted token);
+    regression: loss, RMSE and R² (see the module docstring).
+
+    With ``world_size`` > 1 (a process group is up) rank ``rank`` scores a contiguous
+    1/world of the rows and the sums are all-reduced, so every rank gets the same figures. Every
+    rank runs the same number of forward calls (FSDP all-gathers parameters in each one).
+    Keywords: ``device``, ``rank``, ``world_size``, ``autocast``, ``task``, ``target_var``."""
+    return _score(model, kind, _Rows(features, labels), batch, **kwargs)
+
+
+def score_blocks(model: torch.nn.Module, kind: str, source: Any, batch: int = 2048, **kwargs: Any) -> dict[str, float]:
+    """``score`` on a split streamed from a blocks source (``.sizes``, ``.read_window(ids)``; see
+    ``_BlockRows``): the same rows in the same batches, so the same figures, but a rank reads only
+    the blocks of its own share, a batch at a time."""
+    return _score(model, kind, _BlockRows(source), batch, **kwargs)
+
+
+def score_spec(model: torch.nn.Module, spec: ModelSpec, split: Any, **kwargs: Any) -> dict[str, float]:
+    """``score`` a model on a split as its spec says (kind, task, target): a Split
+    (training.data.dataset) in memory, or a blocks source streamed (``score_blocks``)."""
+    return _score(model, spec.kind, _rows(split), task=spec.task, target_var=spec.target_variance, **kwargs)
+
+
+def _batches(split: Any, batch: int = 2048) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every row of a split (in memory or streamed), ``batch`` rows at a time."""
+    rows = _rows(split)
+    for s in range(0, len(rows), batch):
+        yield rows.take(s, min(len(rows), s + batch))
 
 
 def with_lm_figures(res: dict[str, float], tokens_per_byte: float | None) -> dict[str, float]:
@@ -128,8 +198,8 @@ class Evaluator:
         self.model = for_evaluation(model)
         self.metrics_log, self.clock, self.recorder, self.phase = metrics_log, clock, recorder, phase
         self.on_eval: list[Callable[[int, dict[str, float]], None]] = []  # every rank, after each evaluation
-        if self.every:
-            self.validation = dataset.split("validation", spec)
+        if self.every:  # token shards: a blocks source, each rank reads its share at each evaluation
+            self.validation = validation_for(dataset, spec)
             self.tokens_per_byte = _tokens_per_byte(dataset)
 
     def maybe_eval(self, step: int) -> None:
@@ -180,10 +250,9 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
             Path(keep_model_in).mkdir(parents=True, exist_ok=True)
             for name in (MODEL_FILE, MODEL_CONFIG_FILE):
                 shutil.copyfile(local / name, Path(keep_model_in) / name)
-    val = _validation_for(dataset, spec)
+    val = validation_for(dataset, spec)
     figures = score_spec(model, spec, val)
     meta = {} if isinstance(dataset, TokenDataset) else dataset.layout.meta or {}
-    labels = torch.from_numpy(val.labels) if val.labels is not None else None
     samples = None
     if spec.task == "language_modeling":
         figures = with_lm_figures(figures, _tokens_per_byte(dataset))
@@ -192,14 +261,14 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
         **figures,
         "samples": samples,
         "task": spec.task,
-        "report": reports.evaluation_report(spec.task, spec.kind, model, torch.from_numpy(val.features), labels),
+        "report": reports.evaluation_report(spec.task, spec.kind, model, _batches(val)),
         "step": manifest["step"],
         "checkpoint_step_dir": local.name,
         "bayes_accuracy": meta.get("bayes_accuracy"),
         "chance_accuracy": meta.get("chance_accuracy"),
         "loss_floor": meta.get("loss_floor"),
         "warnings": warnings,
-        "rows": len(val.features),
+        "rows": len(_rows(val)),
     }
 
 
@@ -214,15 +283,10 @@ def text_samples(model: torch.nn.Module, spec: ModelSpec, dataset: TokenDataset)
             "sampling": "top-k 40, temperature 0.8, seed 0", "tokenizer": loaded.source}
 
 
-def _validation_for(dataset: Dataset | TokenDataset, spec: ModelSpec):
-    """The validation rows as the model reads them; a model of other columns is refused."""
-    if isinstance(dataset, TokenDataset):
-        return dataset.split("validation", spec)
-    columns = set(dataset.table("validation").column_names)
-    missing = [c for c in spec.features if c not in columns]
-    if missing:
-        raise ValueError(f"model was trained on features {spec.features} but the dataset lacks {missing}")
-    return dataset.split("validation", spec)
+def validation_for(dataset: Dataset | TokenDataset, spec: ModelSpec):
+    """The validation rows as the model reads them, a blocks source (streamed, see ``score_blocks``):
+    token shards' blocks, a table's row groups; a model of other columns is refused."""
+    return dataset.blocks("validation", spec)
 
 
 def score_folder(model_dir: str | Path, dataset: str | Dataset | TokenDataset,
@@ -234,7 +298,7 @@ def score_folder(model_dir: str | Path, dataset: str | Dataset | TokenDataset,
     model, spec = load_exported(model_dir)
     if isinstance(ds, TokenDataset) and spec.tokenizer_sha256 != ds.meta["tokenizer_sha256"]:
         raise ValueError("the model reads another tokenizer's ids than these token windows hold")
-    res = score_spec(model, spec, _validation_for(ds, spec))
+    res = score_spec(model, spec, validation_for(ds, spec))
     return with_lm_figures(res, _tokens_per_byte(ds)) if spec.task == "language_modeling" else res
 
 

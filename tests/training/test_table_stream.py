@@ -140,3 +140,22 @@ def test_a_window_holds_about_shuffle_window_mib_and_the_estimate_counts_it(tmp_
         loader.next_batch()
     loader.close()
     assert loader.peak_windows == 2
+
+
+@pytest.mark.parametrize("task, label", [("auto", "y"), ("regression", "target")])
+def test_a_tables_validation_split_scores_the_same_streamed_as_in_memory(layout, task, label):
+    import torch
+
+    from training.evaluate import score_spec, validation_for
+    from training.models.build import build_model
+
+    ds = open_dataset(layout, DataOptions(label_column=label, task=task))
+    head, _ = ds.stream("train", shuffle_window=16)
+    spec = ModelSpec.for_data("mlp", ds.meta, hidden=8, depth=1, train=head)
+    torch.manual_seed(0)
+    model = build_model(spec)
+    source = validation_for(ds, spec)
+    assert len(source.groups) > 1 and sum(source.sizes) == len(ds.split("validation", spec).features)
+    for batch in (64, 5_000):
+        assert score_spec(model, spec, source, batch=batch) == score_spec(model, spec, ds.split("validation", spec),
+                                                                          batch=batch)

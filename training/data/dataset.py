@@ -105,17 +105,37 @@ class Dataset:
         regression = columns.task == "regression" and meta.get("kind") == "tabular"
         found = scan(parts, columns, features=normalize, labels=regression)
         blocks = ParquetBlocks(parts, columns, found.counts)
-        head = to_arrays(parts.read(blocks.groups[0], blocks.read_columns).slice(0, 2), columns)
+        head = self.split(name, limit=2)
         head.stats = found.stats
         head.held_bytes = blocks.held_bytes(blocks.window_for(shuffle_window))
         return head, blocks
 
+    def blocks(self, name: str, spec: Any = None) -> ParquetBlocks:
+        """Split ``name`` to read block by block (a row group's rows a block) as ``columns(spec)``
+        says; ValueError when the split lacks a column the model reads."""
+        parts, columns = self.parts(name), self.columns(spec)
+        missing = [c for c in columns.features if c not in parts.schema.names]
+        if missing:
+            raise ValueError(f"model was trained on features {columns.features} but the dataset lacks {missing}")
+        return ParquetBlocks(parts, columns, scan(parts, columns, features=False, labels=False).counts)
+
     def split(self, name: str, spec: Any = None, *, limit: int | None = None) -> Split:
-        """Arrays of split ``name`` as ``columns(spec)`` says; ``limit``: the first rows only."""
-        table = self.table(name)
-        if limit is not None:
-            table = table.slice(0, limit)
-        return to_arrays(table, self.columns(spec))
+        """Arrays of split ``name`` as ``columns(spec)`` says; ``limit``: the first rows only (read
+        row group by row group until there are enough)."""
+        if limit is None or name in self._tables:
+            table = self.table(name)
+            return to_arrays(table if limit is None else table.slice(0, limit), self.columns(spec))
+        import pyarrow as pa
+
+        got, rows = [], 0
+        parts = self.parts(name)
+        for g in parts.groups:
+            if rows >= limit:
+                break
+            got.append(parts.read(g))
+            rows += got[-1].num_rows
+        table = pa.concat_tables(got) if got else parts.schema.empty_table()
+        return to_arrays(table.slice(0, limit), self.columns(spec))
 
 
 def open_dataset(uri: str | Path, options: DataOptions | None = None, *, env: Mapping[str, str] | None = None,

@@ -263,7 +263,7 @@ def _describe_text(table, options: DataOptions) -> dict[str, Any]:
                            "features": [col], "label": None, "source": "inferred from the train split"}
     label = options.label_column
     if label in names and label != col:
-        task, reason, classes = label_task(values, label, options.task)
+        task, reason, classes = label_task(table.column(label), label, options.task)
         if task != "classification":
             raise ConfigError("task", f"text with label {label!r} trains a classifier, but {reason}",
                               "write the classes as integers, or leave label_column out of the table to train a "

@@ -207,7 +207,7 @@ def read_meta(root: str | Path) -> dict[str, Any]:
 def write_repeated_npy(path: str | Path, rows: np.ndarray, nbytes: int) -> int:
     """``rows`` repeated into an ``.npy`` file of at least ``nbytes`` (data larger than memory,
     written in 64 MiB chunks, never held whole); returns its rows."""
-    chunk = np.tile(rows, (max(1, (64 << 20) // rows.nbytes), *([1] * (rows.ndim - 1))))
+    chunk = np.tile(rows, (max(1, -(-min(64 << 20, nbytes) // rows.nbytes)), *([1] * (rows.ndim - 1))))
     repeats = -(-nbytes // chunk.nbytes)
     n = repeats * len(chunk)
     header = {"descr": np.lib.format.dtype_to_descr(chunk.dtype), "fortran_order": False, "shape": (n, *rows.shape[1:])}
@@ -219,16 +219,20 @@ def write_repeated_npy(path: str | Path, rows: np.ndarray, nbytes: int) -> int:
     return n
 
 
-def grow_token_shards(folder: str | Path, nbytes: int) -> int:
-    """Token shards (training/data/tokens.py) whose ``train.npy`` repeats its windows to at least
-    ``nbytes``, their manifest and sizes updated to match; returns the train windows."""
+def grow_token_shards(folder: str | Path, nbytes: int, split: str = "train") -> int:
+    """Token shards (training/data/tokens.py) whose ``{split}.npy`` repeats its rows to at least
+    ``nbytes`` (and ``{split}_labels.npy`` their classes), their manifest and sizes updated to
+    match; returns the split's rows."""
     from training.data.tokens import MANIFEST, STATS
     from training.util import sha256_file
 
     folder = Path(folder)
-    n = write_repeated_npy(folder / "train.npy", np.load(folder / "train.npy"), nbytes)
+    n = write_repeated_npy(folder / f"{split}.npy", np.load(folder / f"{split}.npy"), nbytes)
+    labels = folder / f"{split}_labels.npy"
+    if labels.is_file():  # row i repeats row i % rows, as write_repeated_npy tiles them
+        np.save(labels, np.resize(np.load(labels), n))
     stats = json.loads((folder / STATS).read_text())
-    stats["splits"]["train"]["windows"] = n
+    stats["splits"][split]["windows"] = n
     (folder / STATS).write_text(json.dumps(stats, indent=2) + "\n")
     manifest = json.loads((folder / MANIFEST).read_text())
     for entry in manifest["files"]:

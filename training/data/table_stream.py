@@ -188,6 +188,9 @@ class ParquetBlocks:
 
     def read_window(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """The rows of ``blocks`` (ascending) as the model reads them, one array each."""
+        if not len(blocks):  # an evaluating rank whose share ran out still runs its forward
+            return (np.empty((0, len(self.columns.features)), dtype=self.dtype),
+                    np.empty(0, dtype=self.label_dtype) if self.columns.label else None)
         parts = [to_arrays(self.parts.read(self.groups[b], self.read_columns), self.columns) for b in blocks.tolist()]
         x = parts[0].features if len(parts) == 1 else np.concatenate([p.features for p in parts])
         if parts[0].labels is None:

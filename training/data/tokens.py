@@ -171,27 +171,40 @@ class TokenDataset:
         self._splits: dict[str, np.ndarray] = {}
 
     def split(self, name: str, spec: Any = None, *, limit: int | None = None) -> Split:
+        """Split ``name`` in memory (int64); ``limit``: its first rows only, read from the files."""
+        labelled = self.meta["kind"] == "text"
         if limit is not None and name not in self._splits:  # the first rows only, not the whole shard
-            windows = NpyRows(self.folder / f"{name}.npy").read(0, limit).astype(np.int64)
-        else:
-            if name not in self._splits:
-                self._splits[name] = np.load(self.folder / f"{name}.npy").astype(np.int64)
-            windows = self._splits[name]
-        reads = windows.shape[1] - (0 if self.meta["kind"] == "text" else 1)
-        if spec is not None and spec.seq_len is not None and spec.seq_len != reads:
-            raise ConfigError("seq_len", f"the model reads {spec.seq_len} tokens but the shards hold rows of "
-                              f"{reads}", "score the model on shards of its own seq_len")
+            rows = NpyRows(self.folder / f"{name}.npy")
+            windows = rows.read(0, min(limit, rows.shape[0])).astype(np.int64)
+            self._check_width(windows.shape[1], spec)
+            labels = None
+            if labelled:
+                labels = NpyRows(self.folder / f"{name}_labels.npy").read(0, len(windows)).astype(np.int64)
+            return Split(features=windows, labels=labels)
+        if name not in self._splits:
+            self._splits[name] = np.load(self.folder / f"{name}.npy").astype(np.int64)
+        windows = self._splits[name]
+        self._check_width(windows.shape[1], spec)
         labels = None
-        if self.meta["kind"] == "text":
+        if labelled:
             if f"{name}_labels" not in self._splits:
                 self._splits[f"{name}_labels"] = np.load(self.folder / f"{name}_labels.npy")
             labels = self._splits[f"{name}_labels"]
         cut = slice(None, limit)
         return Split(features=windows[cut], labels=labels[cut] if labels is not None else None)
 
-    def blocks(self, name: str) -> NpyBlocks:
-        """Split ``name`` to stream block by block (training/data/stream.py)."""
-        return NpyBlocks(self.folder, name)
+    def blocks(self, name: str, spec: Any = None) -> NpyBlocks:
+        """Split ``name`` to stream block by block (training/data/stream.py); with ``spec``, refused
+        (ConfigError naming ``seq_len``) when the model reads rows of another length."""
+        source = NpyBlocks(self.folder, name)
+        self._check_width(source.rows.shape[1], spec)
+        return source
+
+    def _check_width(self, width: int, spec: Any) -> None:
+        reads = width - (0 if self.meta["kind"] == "text" else 1)
+        if spec is not None and spec.seq_len is not None and spec.seq_len != reads:
+            raise ConfigError("seq_len", f"the model reads {spec.seq_len} tokens but the shards hold rows of "
+                              f"{reads}", "score the model on shards of its own seq_len")
 
     def stream(self, name: str, shuffle_window: int) -> tuple[Split, NpyBlocks]:
         """Split ``name`` to stream: its first two rows (the model's check), with what a rank holds

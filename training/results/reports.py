@@ -71,31 +71,32 @@ def data_gate_page(report: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------- evaluation
 
 
-def _predictions(model, kind: str, features, labels, batch: int = 2048):
-    """(predicted class, true class) for every scored position, and the number of classes."""
+def _confusion(model, kind: str, batches):
+    """The confusion matrix (rows: true class, columns: predicted) over every scored position of
+    ``batches`` ((features, labels | None) tensors), counted batch by batch."""
     import torch
 
     from training.models.loss import split_batch
 
-    preds, targets, n_classes = [], [], 0
+    confusion = None
     model.eval()
     with torch.no_grad():
-        for s in range(0, len(features), batch):
-            inputs, target = split_batch(kind, features[s:s + batch], labels[s:s + batch] if labels is not None else None)
+        for features, labels in batches:
+            inputs, target = split_batch(kind, features, labels)
             logits = model(inputs)
-            n_classes = logits.shape[-1]
-            preds.append(logits.argmax(dim=-1).reshape(-1))
-            targets.append(target.reshape(-1))
-    return torch.cat(preds), torch.cat(targets), n_classes
+            n = logits.shape[-1]
+            part = torch.bincount(target.reshape(-1) * n + logits.argmax(dim=-1).reshape(-1), minlength=n * n)
+            confusion = part if confusion is None else confusion + part
+    return confusion.reshape(n, n)
 
 
-def classification_report(model, kind: str, features, labels) -> dict[str, Any]:
+def classification_report(model, kind: str, batches) -> dict[str, Any]:
     """Per-class precision, recall, F1 and support, and the confusion matrix (rows: true class,
-    columns: predicted), over the validation split."""
+    columns: predicted), over the validation split (``batches``: its rows, a batch at a time)."""
     import torch
 
-    pred, true, n = _predictions(model, kind, features, labels)
-    confusion = torch.bincount(true * n + pred, minlength=n * n).reshape(n, n)
+    confusion = _confusion(model, kind, batches)
+    n, rows = len(confusion), int(confusion.sum())
     tp = confusion.diag().double()
     predicted, support = confusion.sum(0).double(), confusion.sum(1).double()
     precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
@@ -105,20 +106,24 @@ def classification_report(model, kind: str, features, labels) -> dict[str, Any]:
     classes = [{"class": c, "precision": float(precision[c]), "recall": float(recall[c]), "f1": float(f1[c]),
                 "support": int(support[c])} for c in range(n) if support[c] > 0 or predicted[c] > 0]
     present = [c for c in classes if c["support"] > 0]
-    return {"task": "classification", "rows": int(true.numel()), "accuracy": float(tp.sum() / true.numel()),
+    return {"task": "classification", "rows": rows, "accuracy": float(tp.sum() / rows),
             "macro_f1": sum(c["f1"] for c in present) / max(1, len(present)), "classes": classes,
             "confusion_matrix": confusion.tolist()}
 
 
-def regression_report(model, kind: str, features, labels, batch: int = 2048) -> dict[str, Any]:
-    """Residuals (label - prediction, in the label's units) over the validation split: RMSE, MAE,
-    R², the residuals' quantiles, and up to 2,000 (prediction, residual) points for the plot."""
+def regression_report(model, kind: str, batches) -> dict[str, Any]:
+    """Residuals (label - prediction, in the label's units) over the validation split (``batches``:
+    its rows, a batch at a time): RMSE, MAE, R², the residuals' quantiles, and up to 2,000
+    (prediction, residual) points for the plot."""
     import torch
 
     model.eval()
+    preds, trues = [], []
     with torch.no_grad():
-        pred = torch.cat([model(features[s:s + batch]).reshape(-1).double() for s in range(0, len(features), batch)])
-    true = labels.reshape(-1).double()
+        for features, labels in batches:
+            preds.append(model(features).reshape(-1).double())
+            trues.append(labels.reshape(-1).double())
+    pred, true = torch.cat(preds), torch.cat(trues)
     residual = true - pred
     total = ((true - true.mean()) ** 2).sum()
     quantiles = torch.quantile(residual, torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=torch.float64))
@@ -134,10 +139,12 @@ EVALUATION_REPORTS: dict[str, Callable[..., dict[str, Any]]] = {"classification"
                                                                 "regression": regression_report}
 
 
-def evaluation_report(task: str, kind: str, model, features, labels) -> dict[str, Any] | None:
-    """The report for the model's task (``classification`` or ``regression``) on its kind of data."""
+def evaluation_report(task: str, kind: str, model, batches) -> dict[str, Any] | None:
+    """The report for the model's task (``classification`` or ``regression``) on its kind of data;
+    ``batches``: the validation rows as (features, labels) tensors, a batch at a time (read only
+    when the task has a report)."""
     make = EVALUATION_REPORTS.get(task)
-    return make(model, kind, features, labels) if make else None
+    return make(model, kind, batches) if make else None
 
 
 def _confusion_png(report: dict[str, Any], path: Path) -> None:
