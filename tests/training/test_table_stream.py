@@ -159,3 +159,33 @@ def test_a_tables_validation_split_scores_the_same_streamed_as_in_memory(layout,
     for batch in (64, 5_000):
         assert score_spec(model, spec, source, batch=batch) == score_spec(model, spec, ds.split("validation", spec),
                                                                           batch=batch)
+
+
+def test_the_passes_over_a_table_run_once_per_machine_and_data(layout, monkeypatch):
+    """The ranks of one machine and a restart find the description's and the statistics' passes
+    in the machine's cache; other data (another fingerprint) is passed over again."""
+    import training.data.table_stream as ts
+
+    options = DataOptions(label_column="target", task="regression")
+    head, blocks = open_dataset(layout, options).stream("train", shuffle_window=16)
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("passed over the data again")
+
+    with monkeypatch.context() as m:
+        m.setattr(ts, "scan", no_pass)
+        m.setattr(ts, "label_scan", no_pass)
+        again = open_dataset(layout, options)
+        head2, blocks2 = again.stream("train", shuffle_window=16)
+    assert again.meta["task"] == "regression"
+    assert blocks2.sizes == blocks.sizes
+    for k in ("features", "labels"):
+        np.testing.assert_array_equal(head2.stats[k][0], head.stats[k][0])
+        np.testing.assert_array_equal(head2.stats[k][1], head.stats[k][1])
+    # The data changes: its fingerprint too, and the passes run again.
+    path = next(layout.rglob("*.parquet"))
+    pq.write_table(_table(N, seed=5).slice(0, pq.ParquetFile(path).metadata.num_rows), path, row_group_size=500)
+    with monkeypatch.context() as m:
+        m.setattr(ts, "scan", no_pass)
+        with pytest.raises(AssertionError, match="passed over the data again"):
+            open_dataset(layout, options).stream("train", shuffle_window=16)

@@ -17,7 +17,7 @@ from training.data.options import DataOptions
 from training.data.sources import TABLE, Layout, discover, read_files
 from training.data.arrays import Columns, Split, to_arrays
 from training.data.split import validation_rows
-from training.data.table_stream import ParquetBlocks, TableParts, label_scan, scan
+from training.data.table_stream import ParquetBlocks, TableParts, label_scan_cached, scan_cached
 
 
 class Dataset:
@@ -64,7 +64,7 @@ class Dataset:
             else:
                 parts = self.parts("train")
                 self._meta = describe(self.layout.meta, self.options, lambda: parts.schema.empty_table(),
-                                      label_scan=lambda label: label_scan(parts, label))
+                                      label_scan=lambda label: label_scan_cached(parts, label, self.fingerprint))
         return self._meta
 
     def declared_schema(self) -> DatasetSchema | None:
@@ -103,7 +103,7 @@ class Dataset:
         parts = self.parts(name)
         normalize = bool(meta.get("normalize")) and meta.get("kind") == "tabular"
         regression = columns.task == "regression" and meta.get("kind") == "tabular"
-        found = scan(parts, columns, features=normalize, labels=regression)
+        found = scan_cached(parts, columns, self.fingerprint, features=normalize, labels=regression)
         blocks = ParquetBlocks(parts, columns, found.counts)
         head = self.split(name, limit=2)
         head.stats = found.stats
@@ -117,7 +117,8 @@ class Dataset:
         missing = [c for c in columns.features if c not in parts.schema.names]
         if missing:
             raise ValueError(f"model was trained on features {columns.features} but the dataset lacks {missing}")
-        return ParquetBlocks(parts, columns, scan(parts, columns, features=False, labels=False).counts)
+        return ParquetBlocks(parts, columns, scan_cached(parts, columns, self.fingerprint, features=False,
+                                                         labels=False).counts)
 
     def split(self, name: str, spec: Any = None, *, limit: int | None = None) -> Split:
         """Arrays of split ``name`` as ``columns(spec)`` says; ``limit``: the first rows only (read

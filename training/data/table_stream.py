@@ -8,9 +8,13 @@ library's reader: docs/decisions/0009-streamed-training-data.md.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -64,6 +68,13 @@ class TableParts:
             if columns is not None:
                 table = table.select(columns)
         return table
+
+    def key(self) -> dict[str, Any]:
+        """What decides which rows are this split's (with the data's fingerprint: a cache key)."""
+        out: dict[str, Any] = {"split": self.split}
+        if self.one_table:
+            out.update(validation_fraction=self.options.validation_fraction, split_seed=self.options.split_seed)
+        return out
 
     def __iter__(self) -> Iterator[Any]:
         for g in self.groups:
@@ -124,6 +135,52 @@ class _Moments:
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         return self.mean, np.sqrt(self.m2 / self.n)
+
+
+def cached(key: dict[str, Any], compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``compute()`` (a JSON object) kept in the machine's cache under ``key`` (which names the
+    data by its fingerprint): the ranks of one machine, and a restart, pass over the data once.
+    A lock around it; an unreadable entry is computed again."""
+    from filelock import FileLock
+
+    from training.util import atomic_write, machine_cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    folder = machine_cache_dir() / "table_passes"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{digest}.json"
+    with FileLock(str(path) + ".lock"):
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+        value = compute()
+        atomic_write(path, json.dumps(value), tmp_suffix=f".tmp{os.getpid()}")
+        return value
+
+
+def label_scan_cached(parts: TableParts, label: str, fingerprint: str) -> tuple[int, Any]:
+    """``label_scan`` through the machine's cache."""
+    import pyarrow as pa
+
+    def compute() -> dict[str, Any]:
+        missing, values = label_scan(parts, label)
+        return {"missing": missing, "values": values.to_pylist()}
+
+    got = cached({"pass": "label", "data": fingerprint, **parts.key(), "label": label}, compute)
+    return got["missing"], pa.array(got["values"], type=parts.schema.field(label).type)
+
+
+def scan_cached(parts: TableParts, columns: Columns, fingerprint: str, *, features: bool, labels: bool) -> Scan:
+    """``scan`` through the machine's cache."""
+    def compute() -> dict[str, Any]:
+        found = scan(parts, columns, features=features, labels=labels)
+        return {"counts": found.counts, "stats": {k: [m.tolist(), d.tolist()] for k, (m, d) in found.stats.items()}}
+
+    key = {"pass": "scan", "data": fingerprint, **parts.key(), "columns": dataclasses.asdict(columns),
+           "features": features, "labels": labels}
+    got = cached(key, compute)
+    return Scan(counts=got["counts"], stats={k: (np.asarray(m), np.asarray(d)) for k, (m, d) in got["stats"].items()})
 
 
 def _to_read(parts: TableParts, columns: Columns) -> list[str] | None:
