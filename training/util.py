@@ -1,13 +1,16 @@
 """Small helpers written once for the package, its tests and benchmarks: a free loopback port,
-waiting for a port to listen, an atomic file write, the sha256 of a file and the folder for
-what is kept between runs on this machine."""
+waiting for a port to listen, an atomic file write, the sha256 of a file (and through the machine's
+cache of verified digests) and the folder for what is kept between runs on this machine."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import socket
 import time
+from collections import Counter
 from pathlib import Path
 
 
@@ -70,3 +73,57 @@ def machine_cache_dir() -> Path:
     if os.environ.get("TRAINING_CACHE_DIR"):
         return Path(os.environ["TRAINING_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "airflow-distributed-training"
+
+
+DIGEST_CACHE_ENV = "TRAINING_DIGEST_CACHE"  # "off": hash every file on every open
+RACY_NS = 1_000_000_000  # a file changed this recently is not recorded: a rewrite in the same clock tick keeps its stat
+digest_counts: Counter[str] = Counter()  # this process's "hit" / "hashed" of sha256_cached
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    # ctime cannot be set by a user: an in-place rewrite to the same size and mtime still changes it
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def sha256_cached(path: str | Path) -> str:
+    """The sha256 of a file's bytes, as ``sha256_file``, without reading it again while it is the
+    same file: ``machine_cache_dir()/digests`` keeps, per real path, the digest with the file's stat
+    identity (device, inode, size, mtime and ctime in ns); a file whose stat differs is hashed again.
+    A lock per file: the ranks of a machine opening at once hash it once. ``TRAINING_DIGEST_CACHE=off``
+    hashes every time."""
+    real = os.path.realpath(path)
+    if os.environ.get(DIGEST_CACHE_ENV, "").lower() in ("0", "off", "false", "no"):
+        digest_counts["hashed"] += 1
+        return sha256_file(real)
+    from filelock import FileLock
+
+    entry = machine_cache_dir() / "digests" / f"{hashlib.sha256(real.encode()).hexdigest()[:32]}.json"
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(entry) + ".lock")
+        lock.acquire()
+    except OSError as e:  # a read-only or full cache: correct, only slower
+        logging.getLogger(__name__).warning("digest cache %s not usable (%s): hashing %s", entry.parent, e, real)
+        digest_counts["hashed"] += 1
+        return sha256_file(real)
+    try:
+        now = time.time_ns()
+        before = _identity(os.stat(real))
+        try:
+            kept = json.loads(entry.read_text())
+            if kept["path"] == real and kept["stat"] == before:
+                digest_counts["hit"] += 1
+                return kept["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        digest = sha256_file(real)
+        digest_counts["hashed"] += 1
+        if _identity(os.stat(real)) == before and now - max(before[3], before[4]) > RACY_NS:
+            try:
+                atomic_write(entry, json.dumps({"path": real, "stat": before, "sha256": digest}),
+                             tmp_suffix=f".{os.getpid()}.tmp")
+            except OSError as e:
+                logging.getLogger(__name__).warning("digest of %s not kept in %s (%s)", real, entry.parent, e)
+        return digest
+    finally:
+        lock.release()

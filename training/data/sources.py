@@ -25,7 +25,7 @@ from filelock import FileLock
 
 from training.config.fields import ConfigError
 from training.data.options import DataOptions
-from training.util import sha256_file
+from training.util import sha256_cached
 
 META_FILE = "dataset.json"
 SPLITS = ("train", "validation")
@@ -150,7 +150,7 @@ def _local_layout(uri: str) -> Layout:
 
 
 def _local_file(path: str, local: Path) -> DataFile:
-    return DataFile(path=path, local=local, size=local.stat().st_size, sha256=sha256_file(local))
+    return DataFile(path=path, local=local, size=local.stat().st_size, sha256=sha256_cached(local))
 
 
 def _parse_meta(raw: bytes, where: str) -> dict[str, Any]:
@@ -227,7 +227,7 @@ class _S3Source:
     def _cached(self, key: str, size: int, etag: str) -> tuple[Path, str]:
         """The local copy of one object and its sha256. A copy is kept with the sha256 of the bytes
         downloaded; a copy whose bytes no longer hash to it (a damaged disk, a stray write) is
-        fetched again."""
+        fetched again (an unchanged copy is not read again: ``sha256_cached``)."""
         ident = hashlib.sha256(f"{self.store.endpoint or 'aws'}\0{self.store.bucket}\0{key}\0{etag}\0{size}".encode())
         digest = ident.hexdigest()
         path = cache_dir() / digest[:2] / f"{digest}.parquet"
@@ -235,7 +235,7 @@ class _S3Source:
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(path.with_name(path.name + ".lock")):  # one download per machine; the others wait
             if path.is_file() and sidecar.is_file():
-                actual = sha256_file(path)
+                actual = sha256_cached(path)
                 if actual == sidecar.read_text().strip():
                     return path, actual
             tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")

@@ -31,7 +31,7 @@ from training.data.stream import NpyBlocks, NpyRows
 from training.data.text import documents
 from training.data.tokenizer import LoadedTokenizer, load_json
 from training.store import StoreError, open_store
-from training.util import sha256_file
+from training.util import sha256_cached, sha256_file
 
 FORMAT = 1  # bump when the shards' layout changes: old keys then miss
 SPLITS = ("train", "validation")
@@ -229,7 +229,8 @@ class TokenDataset:
 
 def open_shards(uri: str, env: Mapping[str, str] | None = None) -> TokenDataset:
     """The shards at ``uri`` (a folder or ``s3://`` prefix), every file verified against the
-    manifest: read in place from a folder, downloaded once per machine from S3."""
+    manifest (a file unchanged since it was last hashed on this machine is not read again:
+    ``sha256_cached``): read in place from a folder, downloaded once per machine from S3."""
     store = open_store(uri, env, field="token_shards")
     raw = store.get_bytes(MANIFEST)
     if raw is None:
@@ -241,11 +242,11 @@ def open_shards(uri: str, env: Mapping[str, str] | None = None) -> TokenDataset:
     folder.mkdir(parents=True, exist_ok=True)
     for f in manifest["files"]:
         path = folder / f["path"]
-        if local is None and not (path.is_file() and sha256_file(path) == f["sha256"]):
+        if local is None and not (path.is_file() and sha256_cached(path) == f["sha256"]):
             tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
             store.get_file(f["path"], tmp)
             os.replace(tmp, path)
-        if sha256_file(path) != f["sha256"]:
+        if sha256_cached(path) != f["sha256"]:
             raise StoreError(f"{uri}/{f['path']} does not match its manifest sha256: the shards are damaged; "
                              "delete the folder and run the tokenize step again")
     return TokenDataset(uri, folder, manifest)
