@@ -182,3 +182,28 @@ def test_registration_of_a_model_larger_than_the_limit(tmp_path):
 
     rc, output, _, _ = _register_under_limit(tmp_path / "model", "whole-register", "pt2")
     assert rc == -9, f"registering the whole model was not stopped by the limit (exit {rc}): {output[-2000:]}"
+
+
+def test_a_text_model_over_the_bound_is_not_loaded_to_register_it(tmp_path):
+    import pandas as pd
+
+    from training.data.tokenizer import resolve
+    from training.results.text_model import load_text_folder, predict_text
+
+    tokenizer = resolve("bytes", train_documents=lambda: [])
+    spec = ModelSpec(model="transformer", kind="tokens", task="classification", features=["text"], label=None,
+                     n_classes=tokenizer.vocab_size, vocab_size=tokenizer.vocab_size, seq_len=16,
+                     tokenizer_sha256=tokenizer.sha256,
+                     arch={"d_model": 32, "n_layers": 1, "n_heads": 2, "dropout": 0.0})
+    _export(tmp_path / "lm", spec)
+    tokenizer.tokenizer.save(str(tmp_path / "lm" / "tokenizer.json"))
+    run_id, result = _register("folder-lm", tmp_path / "lm", None, pt2_bound=1024)
+
+    tags = MlflowClient().get_run(run_id).data.tags
+    assert tags["registry.flavour"] == "pyfunc-text" and "not loaded" in tags["registry.flavour_reason"]
+    loaded = mlflow.pyfunc.load_model(result["model_uri"])
+    assert loaded.metadata.get_output_schema().inputs[0].type.name == "string"
+    texts = ["Once upon", "The "]
+    got = loaded.predict(pd.DataFrame({"text": texts}), params={"new_tokens": 6})
+    model, spec, tok = load_text_folder(tmp_path / "lm")
+    assert list(got) == predict_text(model, spec, tok, texts, new_tokens=6)
