@@ -71,6 +71,12 @@ class RunParams:
         "champion's by more than this (absolute, in the metric's units: 0.005 = half a point of accuracy); "
         "otherwise it is registered as a challenger and the run says why", title="Promotion margin", minimum=0,
         maximum=1, section=RUN)
+    registry_flavour: Literal["auto", "pt2", "pyfunc-folder"] = knob(
+        "auto", "how the model is logged to MLflow: pt2 loads the whole model on the worker and exports it with "
+        "torch.export (at its peak about 2.5 times the parameter bytes); pyfunc-folder logs the exported folder as a "
+        "pyfunc model from code, never loading it whole; auto: pt2 when the parameters fit in a quarter of the memory "
+        "the register task may still use (its cgroup limit, else MemAvailable), else pyfunc-folder. Text models are "
+        "always pyfunc (pyfunc-folder: not loaded to compute their example)", title="Registry flavour", section=RUN)
 
 
 def deployment_defaults() -> dict[str, Any]:

@@ -374,7 +374,8 @@ def register(params: dict[str, Any], scored: dict[str, Any]) -> dict[str, Any]:
             run_id=run_id, model_dir=model_dir, registered_model=name, metric_value=figures[metric], metric=metric,
             margin=float(params.get("promotion_margin", 0.0)), example_inputs=example_inputs(data),
             step=scored["eval_step"], data_fingerprint=scored.get("dataset_fingerprint"),
-            score_model=lambda folder: score_folder(folder, data)[metric])
+            score_model=lambda folder: score_folder(folder, data)[metric],
+            flavour=params.get("registry_flavour", "auto"))
     log.info("registry: %s version %s is %s: %s", gate["registered_model"], gate["version"], gate["decision"], gate["reason"])
     describe(run_id)  # the decision and both aliases on the run's page
     return {**scored, "registry": gate}

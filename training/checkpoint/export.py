@@ -192,6 +192,13 @@ def read_spec(path: str | Path) -> ModelSpec:
     return ModelSpec.from_json(json.loads((Path(path) / MODEL_CONFIG_FILE).read_text()))
 
 
+def tensor_bytes(path: str | Path) -> int:
+    """The bytes of the tensors of an exported folder's ``model.safetensors``, from its header alone."""
+    with open(Path(path) / MODEL_FILE, "rb") as f:
+        head = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    return max((e["data_offsets"][1] for k, e in head.items() if k != "__metadata__"), default=0)
+
+
 def load_exported(path: str | Path):
     """Rebuild the model from ``model.safetensors`` + ``model_config.json`` (no pickle involved)."""
     from safetensors.torch import load_file

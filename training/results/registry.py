@@ -3,10 +3,9 @@
     version = register_and_gate(run_id=RUN, model_dir="step_00000300/", registered_model="demo",
                                 metric_value=0.81, margin=0.005, example_inputs=x[:5], step=300)
 
-The model is rebuilt from ``model.safetensors`` + ``model_config.json`` (no pickle), logged in
-MLflow's ``pt2`` format (``torch.export``) with an input example, a signature and the two source
-files (a text model: as pyfunc from code, text in and text or classes out, with its tokenizer),
-and registered as a version of ``registered_model``. It becomes ``champion`` when its gate
+The exported model (``model.safetensors`` + ``model_config.json``) is logged to the run
+(``training.results.logged_model``: ``pt2``, or pyfunc from code around the folder) and
+registered as a version of ``registered_model``. It becomes ``champion`` when its gate
 metric beats the champion's by more than ``margin``; ``challenger`` names the best other version.
 The decision and reason are tagged on version and run (``registry.*``). Retries are idempotent;
 gates of one registered model must run one at a time. Why: docs/decisions/0005-champion-gate-and-challenger.md.
@@ -15,9 +14,7 @@ gates of one registered model must run one at a time. Why: docs/decisions/0005-c
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -59,100 +56,15 @@ def _champion(client, name: str):
         return None
 
 
-def log_model(run_id: str, model_dir: str | Path, *, example_inputs, step: int):
-    """Log the exported model of ``model_dir`` to the run; returns MLflow's ModelInfo."""
-    import mlflow.pytorch
-    import numpy as np
-    import torch
-    from mlflow.models import infer_signature
-
-    from training.checkpoint.export import EXPORTED, TOKENIZER_FILE, load_exported, read_spec
-
-    model_dir = Path(model_dir)
-    experiment_id = _client().get_run(run_id).info.experiment_id
-    if read_spec(model_dir).kind in ("tokens", "text") and (model_dir / TOKENIZER_FILE).is_file():
-        with _experiment(experiment_id):
-            return _log_text_model(run_id, model_dir, step=step)
-    model, spec = load_exported(model_dir)
-    example = np.ascontiguousarray(example_inputs)
-    with torch.no_grad():
-        output = model(torch.from_numpy(example)).numpy()
-    with _experiment(experiment_id):
-        return mlflow.pytorch.log_model(
-            model,
-            name="model",
-            run_id=run_id,
-            step=step,
-            input_example=example,
-            signature=infer_signature(example, output),
-            serialization_format="pt2",
-            # Pinned instead of inferred: inference imports the model in a subprocess (slow) and
-            # would list this machine's whole environment.
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "numpy"],
-            extra_files=[str(model_dir / name) for name in EXPORTED if (model_dir / name).is_file()],
-            metadata={"model_config": json.dumps(spec.to_json())},
-        )
-
-
-def _log_text_model(run_id: str, model_dir: Path, *, step: int):
-    """A text model as ``mlflow.pyfunc`` from code (training/results/text_model_code.py): text in,
-    continuations or classes out, through the tokenizer exported beside it; the exported folder
-    is its artifact, the ``training`` package its code."""
-    import mlflow.pyfunc
-    import pandas as pd
-    import safetensors
-    import tokenizers
-    import torch
-    from mlflow.models import Model, infer_signature
-
-    import training
-    from training.results.text_model import ARTIFACT, NEW_TOKENS, TEXT_COLUMN, load_text_folder, predict_text
-
-    model, spec, tokenizer = load_text_folder(model_dir)
-    example = pd.DataFrame({TEXT_COLUMN: ["The ", "A"]})
-    params = {"new_tokens": NEW_TOKENS} if spec.kind == "tokens" else None
-    output = predict_text(model, spec, tokenizer, list(example[TEXT_COLUMN]), new_tokens=4)
-    requirements = [f"torch=={torch.__version__.split('+')[0]}", f"tokenizers=={tokenizers.__version__}",
-                    f"safetensors=={safetensors.__version__}", "numpy", "pandas"]
-    if spec.is_hf:
-        import transformers
-
-        requirements.append(f"transformers=={transformers.__version__}")
-    code = Path(training.__file__).parent
-    # Model.log: pyfunc.log_model has no run_id (it logs to the fluent active run; we log by id).
-    return Model.log(
-        artifact_path=None, flavor=mlflow.pyfunc, name="model", run_id=run_id, step=step,
-        python_model=str(code / "results" / "text_model_code.py"), artifacts={ARTIFACT: str(model_dir)},
-        code_paths=[str(code)],
-        signature=infer_signature(example, output, params=params), input_example=example,
-        pip_requirements=requirements, metadata={"model_config": json.dumps(spec.to_json())})
-
-
 def exported_folder(downloaded: str | Path) -> Path:
     """The exported folder inside a downloaded registered model (the pt2 model's extra files, or a
-    text model's artifact)."""
+    pyfunc model's artifact)."""
     from training.checkpoint.export import MODEL_CONFIG_FILE
 
     found = sorted(Path(downloaded).glob(f"*/**/{MODEL_CONFIG_FILE}"))
     if not found:
         raise FileNotFoundError(f"no {MODEL_CONFIG_FILE} in the registered model at {downloaded}")
     return found[0].parent
-
-
-@contextlib.contextmanager
-def _experiment(experiment_id: str):
-    """MLflow files a logged model under the *active* experiment, not under its source run's
-    (``_create_logged_model`` looks only at the fluent active run). We log through the client
-    without an active run, so point MLflow's own variable at the run's experiment meanwhile."""
-    old = os.environ.get("MLFLOW_EXPERIMENT_ID")
-    os.environ["MLFLOW_EXPERIMENT_ID"] = experiment_id
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
-        else:
-            os.environ["MLFLOW_EXPERIMENT_ID"] = old
 
 
 def gate_metric(choice: str, task: str) -> str:
@@ -186,8 +98,12 @@ def decide(value: float, champion_value: float | None, margin: float, metric: st
 
 def register_and_gate(*, run_id: str, model_dir: str | Path, registered_model: str, metric_value: float,
                       margin: float, example_inputs, step: int, data_fingerprint: str | None = None,
-                      score_model: Callable[[Path], float] | None = None, metric: str = GATE_METRIC) -> dict[str, Any]:
+                      score_model: Callable[[Path], float] | None = None, metric: str = GATE_METRIC,
+                      flavour: str = "auto", pt2_bound: int | None = None) -> dict[str, Any]:
     """Log + register the model of ``run_id`` (once), then apply the champion gate (once).
+
+    ``flavour``, ``pt2_bound``: how it is logged (``logged_model.choose_flavour``); the choice and
+    its reason are tagged on the run and the version (``registry.flavour``...).
 
     ``metric``: what the gate compares (``metric_value`` is the candidate's). ``score_model(folder)``
     gives that metric for a model folder (``model.safetensors`` + ``model_config.json``) on the
@@ -195,12 +111,18 @@ def register_and_gate(*, run_id: str, model_dir: str | Path, registered_model: s
     ``data.fingerprint`` differs), it is re-scored with it so both numbers come from the same rows.
     """
     import mlflow
+    from mlflow.entities import RunTag
 
     client = _client()
     version = _existing_version(client, registered_model, run_id)
     if version is None:
-        info = log_model(run_id, model_dir, example_inputs=example_inputs, step=step)
-        tags = {metric: f"{metric_value:.6f}", "step": str(step)}
+        from training.results.logged_model import choose_flavour, log_model
+
+        chosen = choose_flavour(model_dir, flavour, bound=pt2_bound)
+        log.info("registry: logging the model as %s: %s", chosen.name, chosen.reason)
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in chosen.tags().items()])
+        info = log_model(run_id, model_dir, example_inputs=example_inputs, step=step, flavour=chosen)
+        tags = {metric: f"{metric_value:.6f}", "step": str(step), **chosen.tags()}
         if data_fingerprint:
             tags["data.fingerprint"] = data_fingerprint
         version = mlflow.register_model(info.model_uri, registered_model, tags=tags)
