@@ -75,3 +75,17 @@ def test_a_truncated_file_fails_in_batches(clean, tmp_path):  # noqa: F811
     path = bad / "train" / "part-00000.parquet"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     assert any(line.startswith("train: cannot read Parquet") for line in _verdict(bad, batch_rows=ROWS)["failures"])
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_duplicated_rows_counted_as_np_unique_counts_them(parts):
+    from training.data.batches import Totals
+
+    rng = np.random.default_rng(0)
+    h = rng.integers(0, 2_000, size=5_000).astype(np.uint64)  # groups of 1 to ~10 equal hashes
+    _, inverse, counts = np.unique(h, return_inverse=True, return_counts=True)
+    expected = int((counts[inverse] > 1).sum())
+    chunks = [pd.Series(c).to_numpy() for c in np.array_split(h, parts)]  # read-only, as pandas hands them
+    t = Totals(hashed=["x"], label=None, hashes=chunks)
+    assert 0 < expected < len(h) and t.duplicated() == expected and t.duplicated() == expected
+    assert Totals(hashed=["x"], label=None).duplicated() == 0

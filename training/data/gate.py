@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from training.data.batches import Totals, split_batches
+from training.data.batches import Totals, release_memory, split_batches
 from training.data.dataset import Dataset
 from training.data.expectations import build_suite
 from training.data.text import text_checks
@@ -332,7 +332,9 @@ def _batched(ds: Dataset, schema: DatasetSchema, rows: int, context, source, rep
                         failed[key][1] += 1
                 start += len(df)
                 count += 1
-                del df
+                _forget_batch(source)
+                del df, table
+                release_memory()
         except Exception as e:  # corrupt / truncated file: pyarrow raises several types
             fail(f"{split}: cannot read Parquet ({type(e).__name__}: {_one_line(str(e))})", split=split)
         report["rows"][split] = totals.rows
@@ -345,6 +347,14 @@ def _batched(ds: Dataset, schema: DatasetSchema, rows: int, context, source, rep
         train = totals if split == "train" else train
     report["batched"]["seconds"] = round(time.perf_counter() - t0, 3)
     return train
+
+
+def _forget_batch(source) -> None:
+    """GX's execution engine keeps the last batch's DataFrame (and the Arrow buffers it views)
+    until the next run replaces it: dropped, so the next batch is read without it."""
+    manager = source.get_execution_engine().batch_manager
+    manager.reset_batch_cache()
+    manager.batch_data_cache.clear()
 
 
 def _whole_split_failures(split: str, schema: DatasetSchema, t: Totals) -> list[str]:
