@@ -39,6 +39,7 @@ def split_batches(layout: Layout, split: str, options: DataOptions, rows: int) -
         nonlocal pending
         batch = pending.slice(0, n).combine_chunks()
         pending = pending.slice(n) if pending.num_rows > n else None
+        release_memory()  # the row groups just combined, before the caller's work on the batch
         return cut(batch)
 
     for f in layout.files[TABLE if one_table else split]:
