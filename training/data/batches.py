@@ -52,8 +52,9 @@ def split_batches(layout: Layout, split: str, options: DataOptions, rows: int) -
             del group
             while pending is not None and pending.num_rows >= rows:
                 yield take(rows)
-        if pending is not None:
+        if pending is not None and pending.num_rows:
             yield take(pending.num_rows)
+        pending = None  # batches do not span files
 
 
 def release_memory() -> None:
