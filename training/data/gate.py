@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from training.data.batches import Totals, release_memory, split_batches
+from training.data.batches import Totals, release_memory, split_batches, split_rows
 from training.data.dataset import Dataset
 from training.data.expectations import build_suite
 from training.data.text import text_checks
@@ -311,7 +311,8 @@ def _batched(ds: Dataset, schema: DatasetSchema, rows: int, context, source, rep
     train: Totals | None = None
     report["batched"] = {"rows_per_batch": rows, "batches": {}}
     for split in SPLITS:
-        totals = Totals(hashed=hashed, label=schema.label if schema.class_fraction else None)
+        totals = Totals(hashed=hashed, label=schema.label if schema.class_fraction else None,
+                        capacity=split_rows(ds.layout, split))
         vd, failed, start, count = None, {}, 0, 0
         try:
             for table in split_batches(ds.layout, split, ds.options, rows):
