@@ -1,8 +1,9 @@
 """A split read as a pass over its Parquet row groups (``split_batches``: batches of ``rows`` rows,
 the last fewer; a one-table layout's rows filtered to the split by training/data/split.py, which
 decides per row), and what the data gate needs of the whole split from such a pass (``Totals``:
-rows, row hashes for duplicates, label counts, a merged column profile). The gate's batched
-mode (training/data/gate.py) checks data larger than memory this way."""
+rows, row hashes for duplicates, label counts, a merged column profile; ``split_rows`` sizes its
+hash buffer), and ``release_memory``, which hands freed allocator pages back between batches. The
+gate's batched mode (training/data/gate.py) checks data larger than memory this way."""
 
 from __future__ import annotations
 
