@@ -388,6 +388,8 @@ def _data_schema(ds: Dataset, schema: DatasetSchema, report: dict[str, Any], tot
         d = ds.meta
     except ConfigError:  # a dataset.json schema without a description (another kind of data)
         d = None
+    except (OSError, ValueError):  # train's footers unreadable (pyarrow's errors): the batched pass said so
+        d = None
     if d is not None:
         out["description"] = {k: d[k] for k in ("kind", "source", "label", "task", "task_reason", "features",
                                                 "n_classes", "classes", "normalize", "ignored_columns") if k in d}
