@@ -180,10 +180,12 @@ def gate_by_size(a, tmp: Path) -> None:
         writer.close()
         size = sum(f.stat().st_size for f in root.rglob("*.parquet")) / 2**20
         for mode in (("whole", "batched") if k <= a.gate_whole_max else ("batched",)):
-            code = ("import json, resource, sys, time; from training.data.gate import validate; t = time.perf_counter(); "
+            # VmHWM, not ru_maxrss: a child's ru_maxrss starts from this process's peak.
+            code = ("import json, sys, time; from training.data.gate import validate; t = time.perf_counter(); "
                     f"r = validate({str(root)!r}, batch_rows={a.gate_batch_rows if mode == 'batched' else None}); "
-                    "print(json.dumps({'s': time.perf_counter() - t, 'rss': resource.getrusage(resource.RUSAGE_SELF)"
-                    ".ru_maxrss * 1024, 'rows': r['rows'], 'batches': r.get('batched', {}).get('batches')}))")
+                    "print(json.dumps({'s': time.perf_counter() - t, 'rss': next(int(v.split()[1]) * 1024 for v in "
+                    "open('/proc/self/status') if v.startswith('VmHWM')), 'rows': r['rows'], "
+                    "'batches': r.get('batched', {}).get('batches')}))")
             proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
             if proc.returncode:
                 sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])

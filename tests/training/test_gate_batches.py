@@ -75,3 +75,58 @@ def test_a_truncated_file_fails_in_batches(clean, tmp_path):  # noqa: F811
     path = bad / "train" / "part-00000.parquet"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     assert any(line.startswith("train: cannot read Parquet") for line in _verdict(bad, batch_rows=ROWS)["failures"])
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_duplicated_rows_counted_as_np_unique_counts_them(parts):
+    from training.data.batches import Totals
+
+    rng = np.random.default_rng(0)
+    h = rng.integers(0, 2_000, size=5_000).astype(np.uint64)  # groups of 1 to ~10 equal hashes
+    _, inverse, counts = np.unique(h, return_inverse=True, return_counts=True)
+    expected = int((counts[inverse] > 1).sum())
+    t = Totals(hashed=["x"], label=None, capacity=len(h) // 3)  # grows past what the footers said
+    for c in np.array_split(h, parts):
+        t.add_hashes(pd.Series(c).to_numpy())  # read-only, as pandas hands them
+    assert 0 < expected < len(h) and t.duplicated() == expected and t.duplicated() == expected
+    assert Totals(hashed=["x"], label=None).duplicated() == 0
+
+
+@pytest.mark.slow
+def test_the_batched_gate_peak_grows_by_the_row_hashes_only(tmp_path):
+    """The batched pass over 10x the rows (same batches, same row groups) peaks higher by the 8 bytes
+    a row of hashes it keeps, plus a margin: each gate in a fresh process, its peak resident set."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    from training.data.synthetic import make_teacher_dataset
+
+    src = tmp_path / "src"
+    make_teacher_dataset(src, n_train=1_000_000, n_val=2_000, seed=0)
+    train = pq.read_table(src / "train" / "part-00000.parquet")
+    peaks, rows = {}, {"1x": 100_000, "10x": 1_000_000}
+    for name, n in rows.items():
+        root = tmp_path / name
+        shutil.copytree(src / "validation", root / "validation")
+        shutil.copy(src / "dataset.json", root / "dataset.json")
+        (root / "train").mkdir()
+        pq.write_table(train.slice(0, n), root / "train" / "part-00000.parquet", row_group_size=50_000)
+        # VmHWM, not ru_maxrss: a child's ru_maxrss starts from the parent's (here pytest's) peak.
+        code = ("import json; from training.data.gate import validate; "
+                f"r = validate({str(root)!r}, batch_rows=50_000); print(json.dumps({{'rows': r['rows'], "
+                "'batches': r['batched']['batches'], 'peak': next(int(v.split()[1]) * 1024 for v in "
+                "open('/proc/self/status') if v.startswith('VmHWM'))}))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parents[2])
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        assert r["rows"]["train"] == n and r["batches"]["train"] == n // 50_000
+        peaks[name] = r["peak"]
+    hashes = 8 * (rows["10x"] - rows["1x"])
+    growth = peaks["10x"] - peaks["1x"]
+    # Before: np.unique over the hashes and allocator pages kept between batches, ~70 MiB here.
+    assert growth < hashes + (24 << 20), f"peak grew by {growth / 2**20:.0f} MiB from 1x to 10x ({peaks})"

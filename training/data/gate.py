@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from training.data.batches import Totals, split_batches
+from training.data.batches import Totals, release_memory, split_batches, split_rows
 from training.data.dataset import Dataset
 from training.data.expectations import build_suite
 from training.data.text import text_checks
@@ -311,7 +311,8 @@ def _batched(ds: Dataset, schema: DatasetSchema, rows: int, context, source, rep
     train: Totals | None = None
     report["batched"] = {"rows_per_batch": rows, "batches": {}}
     for split in SPLITS:
-        totals = Totals(hashed=hashed, label=schema.label if schema.class_fraction else None)
+        totals = Totals(hashed=hashed, label=schema.label if schema.class_fraction else None,
+                        capacity=split_rows(ds.layout, split))
         vd, failed, start, count = None, {}, 0, 0
         try:
             for table in split_batches(ds.layout, split, ds.options, rows):
@@ -332,7 +333,9 @@ def _batched(ds: Dataset, schema: DatasetSchema, rows: int, context, source, rep
                         failed[key][1] += 1
                 start += len(df)
                 count += 1
-                del df
+                _forget_batch(source)
+                del df, table
+                release_memory()
         except Exception as e:  # corrupt / truncated file: pyarrow raises several types
             fail(f"{split}: cannot read Parquet ({type(e).__name__}: {_one_line(str(e))})", split=split)
         report["rows"][split] = totals.rows
@@ -345,6 +348,14 @@ def _batched(ds: Dataset, schema: DatasetSchema, rows: int, context, source, rep
         train = totals if split == "train" else train
     report["batched"]["seconds"] = round(time.perf_counter() - t0, 3)
     return train
+
+
+def _forget_batch(source) -> None:
+    """GX's execution engine keeps the last batch's DataFrame (and the Arrow buffers it views)
+    until the next run replaces it: dropped, so the next batch is read without it."""
+    manager = source.get_execution_engine().batch_manager
+    manager.reset_batch_cache()
+    manager.batch_data_cache.clear()
 
 
 def _whole_split_failures(split: str, schema: DatasetSchema, t: Totals) -> list[str]:
@@ -376,6 +387,8 @@ def _data_schema(ds: Dataset, schema: DatasetSchema, report: dict[str, Any], tot
     try:
         d = ds.meta
     except ConfigError:  # a dataset.json schema without a description (another kind of data)
+        d = None
+    except (OSError, ValueError):  # train's footers unreadable (pyarrow's errors): the batched pass said so
         d = None
     if d is not None:
         out["description"] = {k: d[k] for k in ("kind", "source", "label", "task", "task_reason", "features",
