@@ -9,6 +9,7 @@ import pytest
 
 from tests.training.test_validation import _copy, _rewrite, clean  # noqa: F401 (a fixture)
 from training.data.gate import DataValidationError, validate
+from training.data.options import DataOptions
 
 ROWS = 700  # train's 2,000 rows in 3 batches
 
@@ -130,3 +131,23 @@ def test_the_batched_gate_peak_grows_by_the_row_hashes_only(tmp_path):
     growth = peaks["10x"] - peaks["1x"]
     # Before: np.unique over the hashes and allocator pages kept between batches, ~70 MiB here.
     assert growth < hashes + (24 << 20), f"peak grew by {growth / 2**20:.0f} MiB from 1x to 10x ({peaks})"
+
+
+def test_a_table_without_dataset_json_is_inferred_and_checked_in_batches_as_whole(clean, tmp_path):  # noqa: F811
+    """No description to read: the batched gate infers the schema from train's profile (a pass over
+    row groups) and reaches the whole gate's schema and verdict, on clean data and on bad data."""
+    plain = _copy(clean, tmp_path / "plain")
+    (plain / "dataset.json").unlink()
+    options = DataOptions(label_column="label")
+    whole, batched = _verdict(plain, options=options), _verdict(plain, options=options, batch_rows=ROWS)
+    assert whole["success"] and batched["success"]
+    assert batched["batched"]["batches"] == {"train": 3, "validation": 1} and "batched" not in whole
+    assert batched["schema"] == whole["schema"]
+    assert batched["data_schema"]["schema_source"] == "inferred from the train split"
+    assert batched["data_schema"]["description"] == whole["data_schema"]["description"]
+    # Validation values far outside train's range fail the same expectation both ways.
+    bad = _rewrite(plain, tmp_path / "bad", "validation", lambda df: df.assign(f0=df["f0"] * 1000))
+    w, b = _verdict(bad, options=options), _verdict(bad, options=options, batch_rows=ROWS)
+    assert not w["success"] and not b["success"]
+    assert {(f["split"], f["expectation"], f["column"]) for f in b["failed_expectations"]} == \
+        {(f["split"], f["expectation"], f["column"]) for f in w["failed_expectations"]}

@@ -9,8 +9,8 @@ and returns the verdict: one line per failed expectation with what was observed,
 and fingerprint, and ``data_schema`` (what the data is); GX Data Docs with ``docs_dir``. Any failure,
 a dataset that cannot be opened or described included, raises ``DataValidationError`` (``.report``).
 ``gate_cached`` reuses a passed verdict for the same bytes, options, schema, gate code and GX version.
-Data larger than memory (over ``BATCH_BYTES`` of Parquet, its features named in ``dataset.json``) is
-checked in one pass over its row groups (``_batched``, training/data/batches.py). One module: the
+Tables larger than memory (over ``BATCH_BYTES`` of Parquet) are checked in one pass over their row
+groups (a schema to infer: after a pass for train's profile) (``_batched``, training/data/batches.py). One module: the
 whole-split and the batched pass share the verdict's wording (``_failure``) and the GX context.
 Why: docs/decisions/0002-vectorized-gate-checks.md, docs/decisions/0003-keep-passed-gate-verdicts.md.
 """
@@ -36,6 +36,7 @@ from training.data.schema import (  # noqa: F401 (the gate's schema types, impor
     DatasetSchema,
     SchemaError,
     class_shares,
+    infer_schema,
     schema_from_meta,
 )
 from training.data.options import DataOptions
@@ -167,9 +168,10 @@ def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, e
     ``rows`` per split, ``files`` (path, size, sha256), ``fingerprint``, ``schema`` (what was
     checked), ``data_schema`` (what the data is), ``data_docs``.
 
-    Data over ``BATCH_BYTES`` of Parquet (or any, with ``batch_rows``) whose ``dataset.json``
-    declares its features is checked in one pass over its row groups instead of whole splits
-    (``_batched``); the verdict then carries ``batched`` (rows per batch, batches, seconds).
+    A table over ``BATCH_BYTES`` of Parquet (or any, with ``batch_rows``) is checked in one pass
+    over its row groups instead of whole splits (``_batched``; a schema inferred from train's
+    profile, itself a pass first); the verdict then carries ``batched`` (rows per batch, batches,
+    seconds).
     """
     uri = dataset.uri if isinstance(dataset, Dataset) else str(dataset)
     report: dict[str, Any] = {"dataset_uri": uri, "success": False, "failures": [], "failed_expectations": [],
@@ -255,8 +257,9 @@ def _open(dataset, options, env, report: dict[str, Any], fail,
         raise stop()
     report["files"] = [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in ds.layout.all_files]
     report["fingerprint"] = ds.fingerprint
-    if declared is not None and _batch_rows(ds, batch_rows):
-        return ds, None, declared
+    rows = _batch_rows(ds, batch_rows)
+    if rows:
+        return ds, None, declared if declared is not None else _inferred_in_batches(ds, rows, report, fail, stop)
     tables: dict[str, Any] = {}
     for split in SPLITS:
         try:
@@ -287,14 +290,38 @@ _WHOLE = {"expect_table_row_count_to_be_between", "expect_rows_to_be_unique", "e
 
 
 def _batch_rows(ds: Dataset, batch_rows: int | None) -> int | None:
-    """Rows per batch when ``ds`` is to be checked in batches: tables whose dataset.json names the
-    features (describing them needs no whole split), over ``BATCH_BYTES`` or asked for."""
+    """Rows per batch when ``ds`` is to be checked in batches: tables (not text, whose checks
+    compare documents across splits) over ``BATCH_BYTES`` or asked for."""
     meta = ds.layout.meta or {}
-    if ds.options.text_column or meta.get("kind") == "text" or "features" not in meta:
+    if ds.options.text_column or meta.get("kind") == "text":
         return None
     if batch_rows:
         return int(batch_rows)
     return BATCH_ROWS if sum(f.size for f in ds.layout.all_files) > BATCH_BYTES else None
+
+
+def _inferred_in_batches(ds: Dataset, rows: int, report: dict[str, Any], fail, stop) -> DatasetSchema:
+    """The schema ``infer_schema`` infers from train, with train's profile from a pass over its
+    row groups (the description: passes over the label, training/data/table_stream.py) instead of
+    the whole split: the same schema, as min and max are exact in any order."""
+    try:
+        meta = ds.meta
+    except ConfigError as e:  # the table cannot be described: no label column, a single class...
+        fail(str(e), field=e.field)
+        raise stop() from None
+    except (OSError, ValueError) as e:  # a footer pyarrow cannot read
+        fail(f"train: cannot read Parquet ({type(e).__name__}: {_one_line(str(e))})", split="train")
+        raise stop() from None
+    totals = Totals(hashed=[], label=None)
+    try:
+        for table in split_batches(ds.layout, "train", ds.options, rows):
+            totals.add(table, None)
+            del table
+            release_memory()
+    except Exception as e:  # corrupt / truncated file: pyarrow raises several types
+        fail(f"train: cannot read Parquet ({type(e).__name__}: {_one_line(str(e))})", split="train")
+        raise stop() from None
+    return infer_schema(ds.parts("train").schema.empty_table(), meta, totals.profile())
 
 
 def _batched(ds: Dataset, schema: DatasetSchema, rows: int, context, source, report: dict[str, Any], fail) -> Totals:
