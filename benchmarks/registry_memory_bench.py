@@ -20,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.training.test_registry_folder import write_model  # noqa: E402
+
 CHILD = r"""
 import json, resource, sys, time
 import numpy as np
@@ -35,25 +37,6 @@ registry.register_and_gate(run_id=run_id, model_dir=folder, registered_model=nam
 print(json.dumps({"grew": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base,
                   "s": time.perf_counter() - start}))
 """
-
-
-def write_model(folder: Path, depth: int) -> int:
-    import torch
-
-    from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, order, write_streamed
-    from training.models.build import build_model
-    from training.models.spec import ModelSpec
-
-    meta = {"kind": "tabular", "task": "classification", "features": [f"f{i}" for i in range(16)], "label": "y",
-            "n_classes": 4}
-    spec = ModelSpec.for_data("mlp", meta, hidden=4096, depth=depth)
-    layout = {k: (v.dtype, tuple(v.shape)) for k, v in build_model(spec, meta=True).state_dict().items()}
-    g = torch.Generator().manual_seed(0)
-    folder.mkdir(parents=True)
-    write_streamed(folder / MODEL_FILE, layout, ((n, torch.randn(layout[n][1], generator=g) * 0.02)
-                                                 for n in order(layout)))
-    (folder / MODEL_CONFIG_FILE).write_text(json.dumps(spec.to_json()))
-    return sum(torch.Size(shape).numel() * dtype.itemsize for dtype, shape in layout.values())
 
 
 def main() -> None:

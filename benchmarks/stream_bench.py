@@ -38,8 +38,6 @@ def memory_by_size(a, tmp: Path) -> list[dict]:
     from training.data.synthetic import grow_token_shards, make_text_dataset
     from training.data.tokenizer import resolve
     from training.data.tokens import build
-    from training.distributed.launch import torchrun_command
-    from training.util import free_port
 
     make_text_dataset(tmp / "data")
     ds = open_dataset(tmp / "data", DataOptions(text_column="text"))
@@ -55,25 +53,59 @@ def memory_by_size(a, tmp: Path) -> list[dict]:
                 "hidden": 64, "depth": 1, "n_heads": 2, "seq_len": a.seq_len, "steps": a.steps, "batch_size": 64,
                 "log_every": 100, "eval_every": 0, "target_metric": "none", "checkpoint_every": a.steps,
                 "shuffle_window": a.window, "checkpoint_dir": tmp / f"ck-{k}", "output_dir": tmp / f"out-{k}"}
-        cmd = torchrun_command([x for kv, v in sets.items() for x in ("--set", f"{kv}={v}")], nproc_per_node=2,
-                               master_port=free_port())
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo",
-                                                                          "OMP_NUM_THREADS": "1"})
-        if proc.returncode:
-            sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
-        summary = json.loads((tmp / f"out-{k}" / "train_summary.json").read_text())
+        summary, _ = run_trainer(sets)
         peaks = [summary[f"peak_mem_bytes_rank_{r}"] / 2**20 for r in range(2)]
         size = (shards / "train.npy").stat().st_size / 2**20
         rows.append({"x": k, "mib": size, "windows": windows, "peaks": peaks, "s": time.perf_counter() - t0})
         print(f"{k:>3}x  train.npy {size:8.0f} MiB ({windows} windows of {a.seq_len + 1} tokens)  peak RSS rank 0 "
               f"{peaks[0]:.0f} MiB, rank 1 {peaks[1]:.0f} MiB  ({rows[-1]['s']:.0f} s)", flush=True)
         shutil.rmtree(shards)
+    print_growth(rows)
+    return rows
+
+
+def run_trainer(sets: dict) -> tuple[dict, subprocess.CompletedProcess]:
+    """The trainer under torchrun on 2 gloo ranks with ``--set`` each of ``sets`` (``output_dir``
+    among them): its run summary and the finished process; exits with its output when it fails."""
+    from training.distributed.launch import torchrun_command
+    from training.util import free_port
+
+    cmd = torchrun_command([x for kv, v in sets.items() for x in ("--set", f"{kv}={v}")], nproc_per_node=2,
+                           master_port=free_port())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo",
+                                                                      "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
+    return json.loads((Path(sets["output_dir"]) / "train_summary.json").read_text()), proc
+
+
+def print_growth(rows: list[dict]) -> None:
     base = rows[0]["peaks"]
     for r in rows:
         print(f"growth at {r['x']}x over 1x: " + ", ".join(f"rank {i} {p - b:+.1f} MiB" for i, (p, b) in
                                                          enumerate(zip(r["peaks"], base))))
-    return rows
+
+
+def alternate(a, makers: dict, step, rows_per_step: int) -> float:
+    """Samples/s of ``step`` on the batches each of ``makers`` (name -> a new batch iterator) gives,
+    ``a.repeats`` rounds of ``a.timed_steps`` steps alternated after 50 untimed; prints the medians
+    and returns the second's over the first's."""
+    rates: dict[str, list[float]] = {name: [] for name in makers}
+    for _ in range(a.repeats):
+        for name, make in makers.items():
+            batches = make()
+            for _ in range(50):
+                step(*next(batches))
+            t0 = time.perf_counter()
+            for _ in range(a.timed_steps):
+                step(*next(batches))
+            rates[name].append(a.timed_steps * rows_per_step / (time.perf_counter() - t0))
+    (first, r1), (second, r2) = rates.items()
+    m1, m2 = statistics.median(r1), statistics.median(r2)
+    print(f"samples/s per rank: {first} {m1:.0f}, {second} {m2:.0f} (rounds {[round(r) for r in r1]} / "
+          f"{[round(r) for r in r2]}); ratio {second} / {first} {m2 / m1:.3f}")
+    return m2 / m1
 
 
 def throughput(a, tmp: Path) -> float:
@@ -138,20 +170,7 @@ def throughput(a, tmp: Path) -> float:
     print(f"throughput: demo config ({cfg.model}, hidden {cfg.hidden}, depth {cfg.depth}, {cfg.batch_size // world} "
           f"rows per rank and step), {n} rows x {train.features.shape[1]} features ({n * train.features.shape[1] * 4 / 2**20:.0f} "
           f"MiB), {len(blocks.sizes)} blocks, shuffle_window {cfg.shuffle_window}; same order checked", flush=True)
-    rates = {"memory": [], "streamed": []}
-    for _ in range(a.repeats):
-        for name, make in (("memory", memory_batches), ("streamed", streamed_batches)):
-            batches = make()
-            for _ in range(50):
-                step(*next(batches))
-            t0 = time.perf_counter()
-            for _ in range(a.timed_steps):
-                step(*next(batches))
-            rates[name].append(a.timed_steps * cfg.batch_size // world / (time.perf_counter() - t0))
-    mem, st = statistics.median(rates["memory"]), statistics.median(rates["streamed"])
-    print(f"samples/s per rank: in memory {mem:.0f}, streamed {st:.0f} (rounds {[round(r) for r in rates['memory']]} / "
-          f"{[round(r) for r in rates['streamed']]}); ratio streamed / memory {st / mem:.3f}")
-    return st / mem
+    return alternate(a, {"in memory": memory_batches, "streamed": streamed_batches}, step, cfg.batch_size // world)
 
 
 def gate_by_size(a, tmp: Path) -> None:

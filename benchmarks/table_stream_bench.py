@@ -21,8 +21,6 @@ import json
 import os
 import re
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.stream_bench import alternate, print_growth, run_trainer  # noqa: E402
 
 
 def write_table(root: Path, rows: int, *, features: int, group_rows: int, seed: int = 0) -> None:
@@ -56,9 +56,6 @@ def write_table(root: Path, rows: int, *, features: int, group_rows: int, seed: 
 
 
 def memory_by_size(a, tmp: Path) -> list[dict]:
-    from training.distributed.launch import torchrun_command
-    from training.util import free_port
-
     row_bytes = a.features * 4
     rows_out = []
     for k in a.sizes:
@@ -68,14 +65,8 @@ def memory_by_size(a, tmp: Path) -> list[dict]:
         sets = {"dataset_uri": data, "label_column": "label", "steps": a.steps, "log_every": 100, "eval_every": 0,
                 "target_metric": "none", "checkpoint_every": a.steps, "checkpoint_dir": tmp / f"ck-{k}",
                 "output_dir": tmp / f"out-{k}"}
-        cmd = torchrun_command([x for kv, v in sets.items() for x in ("--set", f"{kv}={v}")], nproc_per_node=2,
-                               master_port=free_port())
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo",
-                                                                          "OMP_NUM_THREADS": "1"})
-        if proc.returncode:
-            sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
-        summary = json.loads((tmp / f"out-{k}" / "train_summary.json").read_text())
+        summary, proc = run_trainer(sets)
         memory = json.loads((tmp / f"out-{k}" / "memory.json").read_text())
         peaks = [summary[f"peak_mem_bytes_rank_{r}"] / 2**20 for r in range(2)]
         size = (data / "train" / "part-0.parquet").stat().st_size / 2**20
@@ -89,10 +80,7 @@ def memory_by_size(a, tmp: Path) -> list[dict]:
               f"rank 0's data phase at start {data_s} s; run {rows_out[-1]['s']:.0f} s)",
               flush=True)
         shutil.rmtree(data)
-    base = rows_out[0]["peaks"]
-    for r in rows_out:
-        print(f"growth at {r['x']}x over 1x: " + ", ".join(f"rank {i} {p - b:+.1f} MiB" for i, (p, b) in
-                                                         enumerate(zip(r["peaks"], base))))
+    print_growth(rows_out)
     return rows_out
 
 
@@ -154,20 +142,7 @@ def throughput(a, tmp: Path) -> float:
           f"rows per rank and step), {n} rows x {a.features} features ({n * a.features * 4 / 2**20:.0f} MiB), "
           f"{len(blocks.sizes)} row groups of {a.group_rows}, {window} a window (shuffle_window {cfg.shuffle_window}); "
           "same order checked", flush=True)
-    rates = {"memory": [], "streamed": []}
-    for _ in range(a.repeats):
-        for name, make in (("memory", memory_batches), ("streamed", streamed_batches)):
-            batches = make()
-            for _ in range(50):
-                step(*next(batches))
-            t0 = time.perf_counter()
-            for _ in range(a.timed_steps):
-                step(*next(batches))
-            rates[name].append(a.timed_steps * cfg.batch_size // world / (time.perf_counter() - t0))
-    mem, st = statistics.median(rates["memory"]), statistics.median(rates["streamed"])
-    print(f"samples/s per rank: in memory {mem:.0f}, streamed {st:.0f} (rounds {[round(r) for r in rates['memory']]} / "
-          f"{[round(r) for r in rates['streamed']]}); ratio streamed / memory {st / mem:.3f}")
-    return st / mem
+    return alternate(a, {"in memory": memory_batches, "streamed": streamed_batches}, step, cfg.batch_size // world)
 
 
 def main() -> int:

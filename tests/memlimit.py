@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -73,3 +74,19 @@ class MemoryGroup:
                 return
             except OSError:  # busy for a moment after its last process exits
                 time.sleep(0.1)
+
+
+def torchrun_in(group: MemoryGroup, sets: dict, *, env: dict | None = None, max_restarts: int = 0,
+                nproc: int = 2) -> subprocess.CompletedProcess:
+    """The trainer under torchrun (``--set`` each of ``sets``, ``nproc`` gloo ranks), the agent and
+    its ranks in ``group``; asserts it exits 0."""
+    from training.distributed.launch import torchrun_command
+    from training.util import free_port
+
+    cmd = torchrun_command([a for k, v in sets.items() for a in ("--set", f"{k}={v}")], nproc_per_node=nproc,
+                           master_port=free_port(), max_restarts=max_restarts)
+    full_env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}, "GLOO_SOCKET_IFNAME": "lo",
+                "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env, preexec_fn=group.enter)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc

@@ -117,11 +117,12 @@ print("done", result["version"], "grew by", resource.getrusage(resource.RUSAGE_S
 """
 
 
-def _big_model(folder) -> int:
-    """An exported table model written tensor by tensor (never whole in memory); its parameter bytes."""
+def write_model(folder, depth: int = DEPTH) -> int:
+    """An exported table model (``depth`` layers of ``HIDDEN``) written tensor by tensor, never whole
+    in memory; its parameter bytes. benchmarks/registry_memory_bench.py writes its models with it."""
     meta = {"kind": "tabular", "task": "classification", "features": [f"f{i}" for i in range(16)], "label": "y",
             "n_classes": 4}
-    spec = ModelSpec.for_data("mlp", meta, hidden=HIDDEN, depth=DEPTH)
+    spec = ModelSpec.for_data("mlp", meta, hidden=HIDDEN, depth=depth)
     layout = {k: (v.dtype, tuple(v.shape)) for k, v in build_model(spec, meta=True).state_dict().items()}
     g = torch.Generator().manual_seed(0)
     folder.mkdir(parents=True)
@@ -164,7 +165,7 @@ def _sha256(path) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(not memlimit.available(), reason="needs root and the cgroup v1 memory controller")
 def test_registration_of_a_model_larger_than_the_limit(tmp_path):
-    size = _big_model(tmp_path / "model")
+    size = write_model(tmp_path / "model")
 
     rc, output, limit, peak = _register_under_limit(tmp_path / "model", "bounded-register", "auto")
     assert rc == 0 and "done" in output, output[-3000:]

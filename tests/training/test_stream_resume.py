@@ -3,21 +3,17 @@ whole job's memory limit (the torchrun agent and both ranks in one cgroup, as a 
 are) stream block by block; a rank SIGKILLed mid-shard restarts the group, which resumes from the
 newest checkpoint and ends bit-identical to an uninterrupted run under the same limit."""
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests import memlimit
-from tests.conftest import free_port
 from tests.training.test_text_resume import _final, _losses
 from training.data.dataset import open_dataset
 from training.data.options import DataOptions
 from training.data.synthetic import grow_token_shards, make_text_dataset
 from training.data.tokenizer import resolve
 from training.data.tokens import build
-from training.distributed.launch import torchrun_command
 
 LIMIT = 1536 << 20  # the job's limit: agent + 2 ranks (they peak near 700 MiB; the memory preflight wants ~1.3 GiB at the restart)
 DATA = LIMIT + (256 << 20)  # train.npy's bytes: larger than the limit
@@ -40,13 +36,7 @@ def _run(group, data, uri, root, *, env=None, max_restarts=0):
             "depth": 1, "n_heads": 2, "seq_len": 32, "dropout": 0.1, "steps": STEPS, "checkpoint_every": 10,
             "batch_size": 16, "log_every": 5, "warmup_steps": 5, "eval_every": 0, "target_metric": "none",
             "checkpoint_dir": root / "ck", "output_dir": root / "out", "shuffle_window": 4}
-    cmd = torchrun_command([a for k, v in sets.items() for a in ("--set", f"{k}={v}")], nproc_per_node=2,
-                           master_port=free_port(), max_restarts=max_restarts)
-    full_env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}, "GLOO_SOCKET_IFNAME": "lo",
-                "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env, preexec_fn=group.enter)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
+    return memlimit.torchrun_in(group, sets, env=env, max_restarts=max_restarts)
 
 
 @pytest.mark.slow

@@ -6,8 +6,6 @@ bit-identical to an uninterrupted run under the same limit. The whole-table path
 twice (Arrow's columns and the float32 array) on every rank."""
 
 import json
-import os
-import subprocess
 
 import numpy as np
 import pyarrow as pa
@@ -15,9 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests import memlimit
-from tests.conftest import free_port
 from tests.training.test_text_resume import _final, _losses
-from training.distributed.launch import torchrun_command
 
 LIMIT = 1536 << 20  # the job's limit: agent + 2 ranks (the memory preflight wants about this much)
 FEATURES = 64
@@ -53,13 +49,7 @@ def _run(group, data, root, *, env=None, max_restarts=0):
     sets = {"dataset_uri": data, "model": "mlp", "hidden": 32, "depth": 1, "steps": STEPS, "checkpoint_every": 10,
             "batch_size": 64, "log_every": 5, "warmup_steps": 5, "eval_every": 0, "target_metric": "none",
             "checkpoint_dir": root / "ck", "output_dir": root / "out", "shuffle_window": 32}
-    cmd = torchrun_command([a for k, v in sets.items() for a in ("--set", f"{k}={v}")], nproc_per_node=2,
-                           master_port=free_port(), max_restarts=max_restarts)
-    full_env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}, "GLOO_SOCKET_IFNAME": "lo",
-                "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env, preexec_fn=group.enter)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
+    return memlimit.torchrun_in(group, sets, env=env, max_restarts=max_restarts)
 
 
 @pytest.mark.slow
