@@ -90,3 +90,29 @@ def torchrun_in(group: MemoryGroup, sets: dict, *, env: dict | None = None, max_
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env, preexec_fn=group.enter)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
+
+
+def run_once_ready(name: str, argv: list[str], budget: int, timeout: float = 120) -> tuple[int, str, int, int]:
+    """Run ``argv`` in a fresh memory group whose limit is set once the child prints ``ready`` (its
+    interpreter and libraries loaded) to what the group uses then + ``budget``; the child goes on
+    when it reads a line. Returns its exit code, output, the limit and the group's peak after it."""
+    with MemoryGroup(name, 64 << 30) as group:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, preexec_fn=group.enter)
+        try:
+            for line in proc.stdout:  # past the warnings of the imports
+                if line.strip() == "ready":
+                    break
+            else:
+                return proc.wait(timeout=timeout), "never ready", 0, group.peak
+            limit = group.read("usage_in_bytes") + budget
+            group.set_limit(limit)
+            group.reset_peak()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            output = proc.stdout.read()
+            return proc.wait(timeout=timeout), output, limit, group.peak
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

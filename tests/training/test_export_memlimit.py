@@ -4,7 +4,6 @@ process under that limit (a cgroup memory limit, as a container runtime sets a p
 tests/memlimit.py); loading the whole state the way the export did before is killed by
 the same limit."""
 
-import subprocess
 import sys
 
 import pytest
@@ -67,23 +66,7 @@ def _save_shards(rank: int, port: int, root: str) -> None:
 def _under_limit(mode: str, ckpt, out) -> tuple[int, str, int, int]:
     """Run the export ``mode`` in a fresh memory group: once the interpreter is up, its limit is
     set to what it uses then + BUDGET. Returns exit code, output, limit, peak."""
-    with memlimit.MemoryGroup("dtp-export", 64 << 30) as group:  # the limit comes once the child is up
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, str(ckpt), str(out)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=group.enter)
-        try:
-            assert proc.stdout.readline().strip() == "ready"
-            limit = group.read("usage_in_bytes") + BUDGET
-            group.set_limit(limit)
-            group.reset_peak()
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            output = proc.stdout.read()
-            rc = proc.wait(timeout=120)
-            return rc, output, limit, group.peak
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    return memlimit.run_once_ready("dtp-export", [sys.executable, "-c", CHILD, mode, str(ckpt), str(out)], BUDGET)
 
 
 @pytest.mark.slow

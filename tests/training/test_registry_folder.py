@@ -5,7 +5,6 @@ limit, as a container runtime sets a pod's; see tests/memlimit.py) where ``pt2``
 
 import hashlib
 import json
-import subprocess
 import sys
 
 import mlflow
@@ -136,25 +135,8 @@ def _register_under_limit(folder, name: str, flavour: str) -> tuple[int, str, in
     """Register in a fresh memory group whose limit, once the interpreter is up, is what it uses
     then + BUDGET. Returns exit code, output, limit, peak."""
     run_id = open_run(name, dag_id="distributed_training", dag_run_id=f"manual__{name}")
-    with memlimit.MemoryGroup("dtp-register", 64 << 30) as group:
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(folder), run_id, name, flavour],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=group.enter)
-        try:
-            for line in proc.stdout:  # past the warnings of the imports
-                if line.strip() == "ready":
-                    break
-            limit = group.read("usage_in_bytes") + BUDGET
-            group.set_limit(limit)
-            group.reset_peak()
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            output = proc.stdout.read()
-            return proc.wait(timeout=120), output, limit, group.peak
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    return memlimit.run_once_ready("dtp-register", [sys.executable, "-c", CHILD, str(folder), run_id, name, flavour],
+                                   BUDGET)
 
 
 def _sha256(path) -> str:

@@ -31,12 +31,28 @@ def big_shards(tmp_path_factory):
     return root / "data", uri, n
 
 
-def _run(group, data, uri, root, *, env=None, max_restarts=0):
-    sets = {"dataset_uri": data, "text_column": "text", "token_shards": uri, "model": "transformer", "hidden": 32,
+def _sets(data, uri, root):
+    return {"dataset_uri": data, "text_column": "text", "token_shards": uri, "model": "transformer", "hidden": 32,
             "depth": 1, "n_heads": 2, "seq_len": 32, "dropout": 0.1, "steps": STEPS, "checkpoint_every": 10,
             "batch_size": 16, "log_every": 5, "warmup_steps": 5, "eval_every": 0, "target_metric": "none",
             "checkpoint_dir": root / "ck", "output_dir": root / "out", "shuffle_window": 4}
-    return memlimit.torchrun_in(group, sets, env=env, max_restarts=max_restarts)
+
+
+def resumes_bit_identical_under(limit: int, sets_for, tmp_path, steps: int = STEPS) -> None:
+    """Under one memory group of ``limit`` (the torchrun agent and 2 ranks, as a pod's processes):
+    a run of ``sets_for(folder)`` (``steps`` steps, checkpoints every 10), and the same run with
+    rank 1 SIGKILLed after step 15 and restarted once, end bit-identical, nothing OOM-killed."""
+    base, killed = tmp_path / "base", tmp_path / "killed"
+    with memlimit.MemoryGroup("dtp-resume", limit) as group:
+        memlimit.torchrun_in(group, sets_for(base))
+        proc = memlimit.torchrun_in(group, sets_for(killed), max_restarts=1,
+                                    env={"TRAINING_FAULT_KILL_AT_STEP": "15:1"})
+        assert group.oom_kills == 0, "a process of the job was OOM-killed"
+        print(f"peak of the job's memory group: {group.peak / 2**20:.0f} MiB (limit {limit >> 20} MiB)")
+    assert "rank 1 SIGKILLs itself after step 15" in proc.stdout and "(step 10)" in proc.stdout
+    assert _final(killed, steps) == _final(base, steps)
+    got, want = _losses(killed), _losses(base)
+    assert [got[s] for s in range(11, steps + 1)] == [want[s] for s in range(11, steps + 1)]
 
 
 @pytest.mark.slow
@@ -44,13 +60,4 @@ def _run(group, data, uri, root, *, env=None, max_restarts=0):
 def test_data_larger_than_the_memory_limit_trains_and_resumes_bit_identical(big_shards, tmp_path):
     data, uri, windows = big_shards
     assert (Path(uri.removeprefix("file://")) / "train.npy").stat().st_size > LIMIT
-    base, killed = tmp_path / "base", tmp_path / "killed"
-    with memlimit.MemoryGroup("dtp-stream", LIMIT) as group:
-        _run(group, data, uri, base)
-        proc = _run(group, data, uri, killed, max_restarts=1, env={"TRAINING_FAULT_KILL_AT_STEP": "15:1"})
-        assert group.oom_kills == 0, "a process of the job was OOM-killed"
-        print(f"peak of the job's memory group: {group.peak / 2**20:.0f} MiB (limit {LIMIT >> 20} MiB)")
-    assert "rank 1 SIGKILLs itself after step 15" in proc.stdout and "(step 10)" in proc.stdout
-    assert _final(killed, STEPS) == _final(base, STEPS)
-    got, want = _losses(killed), _losses(base)
-    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
+    resumes_bit_identical_under(LIMIT, lambda root: _sets(data, uri, root), tmp_path)

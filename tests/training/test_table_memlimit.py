@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests import memlimit
-from tests.training.test_text_resume import _final, _losses
+from tests.training.test_stream_resume import resumes_bit_identical_under
 
 LIMIT = 1536 << 20  # the job's limit: agent + 2 ranks (the memory preflight wants about this much)
 FEATURES = 64
@@ -45,11 +45,10 @@ def big_table(tmp_path_factory):
     return root
 
 
-def _run(group, data, root, *, env=None, max_restarts=0):
-    sets = {"dataset_uri": data, "model": "mlp", "hidden": 32, "depth": 1, "steps": STEPS, "checkpoint_every": 10,
+def _sets(data, root):
+    return {"dataset_uri": data, "model": "mlp", "hidden": 32, "depth": 1, "steps": STEPS, "checkpoint_every": 10,
             "batch_size": 64, "log_every": 5, "warmup_steps": 5, "eval_every": 0, "target_metric": "none",
             "checkpoint_dir": root / "ck", "output_dir": root / "out", "shuffle_window": 32}
-    return memlimit.torchrun_in(group, sets, env=env, max_restarts=max_restarts)
 
 
 @pytest.mark.slow
@@ -57,13 +56,4 @@ def _run(group, data, root, *, env=None, max_restarts=0):
 def test_a_table_larger_than_the_memory_limit_trains_and_resumes_bit_identical(big_table, tmp_path):
     rows = pq.ParquetFile(big_table / "train" / "part-0.parquet").metadata.num_rows
     assert rows * (FEATURES * 4 + 8) > LIMIT
-    base, killed = tmp_path / "base", tmp_path / "killed"
-    with memlimit.MemoryGroup("dtp-table", LIMIT) as group:
-        _run(group, big_table, base)
-        proc = _run(group, big_table, killed, max_restarts=1, env={"TRAINING_FAULT_KILL_AT_STEP": "15:1"})
-        assert group.oom_kills == 0, "a process of the job was OOM-killed"
-        print(f"peak of the job's memory group: {group.peak / 2**20:.0f} MiB (limit {LIMIT >> 20} MiB)")
-    assert "rank 1 SIGKILLs itself after step 15" in proc.stdout and "(step 10)" in proc.stdout
-    assert _final(killed, STEPS) == _final(base, STEPS)
-    got, want = _losses(killed), _losses(base)
-    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
+    resumes_bit_identical_under(LIMIT, lambda root: _sets(big_table, root), tmp_path, STEPS)
