@@ -27,6 +27,7 @@ class Dataset:
     def __init__(self, layout: Layout, options: DataOptions):
         self.layout, self.options = layout, options
         self._tables: dict[str, Any] = {}
+        self._parts: dict[str, TableParts] = {}
         self._meta: dict[str, Any] | None = None
         self._profile: list[dict[str, Any]] | None = None
 
@@ -50,8 +51,11 @@ class Dataset:
         return self._tables[split]
 
     def parts(self, split: str) -> TableParts:
-        """Split ``split`` row group by row group (training/data/table_stream.py)."""
-        return TableParts(self.layout, split, self.options)
+        """Split ``split`` row group by row group (training/data/table_stream.py); its files'
+        footers are read once."""
+        if split not in self._parts:
+            self._parts[split] = TableParts(self.layout, split, self.options)
+        return self._parts[split]
 
     @property
     def meta(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -75,10 +75,6 @@ class TableParts:
         if self.one_table:
             out.update(validation_fraction=self.options.validation_fraction, split_seed=self.options.split_seed)
         return out
-
-    def __iter__(self) -> Iterator[Any]:
-        for g in self.groups:
-            yield self.read(g)
 
 
 def label_scan(parts: TableParts, label: str) -> tuple[int, Any]:
