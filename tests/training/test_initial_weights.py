@@ -33,13 +33,20 @@ cfg = types.SimpleNamespace(strategy=strategy, activation_checkpointing="none", 
 model, initial = build_for_training(spec, seed=11, strategy=strategy)
 model, _ = parallel.parallelize(model, cfg, info, initial)
 state = {k.removeprefix("module."): parallel.full_tensor(v).detach().cpu().clone() for k, v in model.state_dict().items()}
+from torch.distributed.fsdp import FSDPModule
+units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
 if info.is_main:
-    torch.save(state, out)
+    torch.save({"state": state, "fsdp_units": units}, out)
 parallel.cleanup()
 """
 
 
 def _initial_state(tmp_path: Path, spec: ModelSpec, *, ranks: int, strategy: str = "fsdp") -> dict[str, torch.Tensor]:
+    return _initial_run(tmp_path, spec, ranks=ranks, strategy=strategy)["state"]
+
+
+def _initial_run(tmp_path: Path, spec: ModelSpec, *, ranks: int, strategy: str = "fsdp") -> dict:
+    """The whole state rank 0 gathered (``state``) and the modules FSDP2 wrapped (``fsdp_units``)."""
     script, out = tmp_path / "worker.py", tmp_path / f"state-{strategy}-{ranks}.pt"
     script.write_text(WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -57,15 +64,20 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 
 @pytest.mark.slow
 def test_one_rank_and_two_ranks_start_bit_identical(tmp_path):
-    spec = ModelSpec.for_data("transformer", TOKENS, hidden=32, depth=2)
-    one, two = _initial_state(tmp_path, spec, ranks=1), _initial_state(tmp_path, spec, ranks=2)
+    # A vocabulary large enough (16,384 x 64 = 2**20 parameters) for the embedding and the head to be
+    # units of their own (models.build.fsdp_layout), materialised after sharding like the blocks.
+    spec = ModelSpec.for_data("transformer", {**TOKENS, "vocab_size": 16384}, hidden=64, depth=2)
+    one, run = _initial_state(tmp_path, spec, ranks=1), _initial_run(tmp_path, spec, ranks=2)
+    assert run["fsdp_units"] == ["", "tok", "blocks.0", "blocks.1", "head"]
+    two = run["state"]
     assert _same(one, two) == []
     # DDP (the whole model per rank) starts from the same values too.
     assert _same(one, _initial_state(tmp_path, spec, ranks=2, strategy="ddp")) == []
     # The built-in decoder's own distributions: N(0, 0.02), residual projections scaled by depth, norms 1.
     assert abs(one["blocks.0.qkv.weight"].std().item() - 0.02) < 0.002
     assert abs(one["blocks.1.down.weight"].std().item() - 0.02 / 2) < 0.001
-    assert torch.equal(one["norm.weight"], torch.ones(32))
+    assert abs(one["tok.weight"].std().item() - 0.02) < 0.001 and abs(one["head.weight"].std().item() - 0.02) < 0.001
+    assert torch.equal(one["norm.weight"], torch.ones(64))
     # A different seed, different weights: the values are drawn, not fixed.
     other, initial = build_for_training(spec, seed=12, strategy="ddp")
     initial(other, torch.device("cpu"))

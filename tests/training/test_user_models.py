@@ -20,7 +20,7 @@ from training.checkpoint.export import load_exported
 from training.config.train_config import TrainConfig
 from training.data.dataset import open_dataset
 from training.config.fields import ConfigError
-from training.models.build import shard_units
+from training.models.build import OUTER_UNIT_MIN_NUMEL, fsdp_layout, shard_units
 from training.train import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,6 +139,32 @@ def test_fsdp_units_come_from_the_model_or_its_children(user_code):
     assert shard_units(model) == [model.stem, model.blocks[0], model.blocks[1], model.head]
     plain = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3))
     assert shard_units(plain) == [plain[0], plain[2]]  # each direct child holding parameters
+
+
+def test_fsdp_shards_a_large_embedding_and_head_apart_from_the_root_unless_tied():
+    """The root's parameters stay gathered for the whole step; a large vocabulary's embedding and
+    head become units of their own, a small one and a tied pair stay with the root."""
+    from torch import nn
+
+    from training.metrics.memory import count_step
+    from training.models.builtin import Transformer
+    from training.models.spec import ModelSpec
+
+    vocab = OUTER_UNIT_MIN_NUMEL // 64
+    big = Transformer(vocab_size=vocab, seq_len=8, d_model=64, n_layers=2, n_heads=4)
+    assert fsdp_layout(big) == [*big.blocks, big.tok, big.head]  # the norm (64 parameters) stays with the root
+    small = Transformer(vocab_size=vocab // 2, seq_len=8, d_model=64, n_layers=2, n_heads=4)
+    assert fsdp_layout(small) == list(small.blocks)
+    tied = Transformer(vocab_size=vocab, seq_len=8, d_model=64, n_layers=2, n_heads=4)
+    tied.head.weight = tied.tok.weight
+    assert fsdp_layout(tied) == list(tied.blocks)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3))
+    assert fsdp_layout(plain) == shard_units(plain)  # every parameter already in a unit
+    # The memory estimate counts the same layout: the largest unit is now the embedding, the root its norm.
+    meta = {"kind": "tokens", "task": "language_modeling", "features": ["tokens"], "vocab_size": vocab, "seq_len": 8}
+    counted = count_step(ModelSpec.for_data("transformer", meta, hidden=64, depth=2, n_heads=4), (9,), "int64",
+                         micro_batch=1, activation_checkpointing="none", precision="fp32")
+    assert (counted.largest_unit_numel, counted.root_numel) == (vocab * 64, 64)
 
 
 def test_cli_refuses_a_broken_factory_with_exit_2_before_any_rank(user_code, tables, tmp_path):

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from training.distributed.comm import CommTimer, _fsdp_timed_comms, _timed
 from training.models import activations, compiling
-from training.models.build import shard_units
+from training.models.build import fsdp_layout
 from training.util import free_port
 
 
@@ -114,9 +114,9 @@ def parallelize(model: nn.Module, cfg, info: DistInfo,
 
     ddp: DistributedDataParallel with bucketed all-reduce overlapped with backward, gradients as
     views into the buckets (no extra copy), and the chosen (timed) comm hook.
-    fsdp: FSDP2 ``fully_shard`` on every unit from ``models.build.shard_units`` (the model's
+    fsdp: FSDP2 ``fully_shard`` on every unit from ``models.build.fsdp_layout`` (the model's
     ``fsdp_units``: transformer blocks, the built-ins' linear/conv layers, a user's list; else each
-    direct child holding parameters) and then the root; with
+    direct child holding parameters; then a large embedding or head outside them) and then the root; with
     precision=bf16 parameters are all-gathered and computed in bf16, gradients reduced in fp32.
     """
     if initial is not None and cfg.strategy != "fsdp":
@@ -140,7 +140,7 @@ def parallelize(model: nn.Module, cfg, info: DistInfo,
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16" else MixedPrecisionPolicy()
-        units = [*shard_units(model), model]
+        units = [*fsdp_layout(model), model]
         for unit in units:
             fully_shard(unit, mp_policy=mp)
         timer.timed = info.device.type == "cpu"  # see CommTimer: CUDA streams are not timed

@@ -118,14 +118,14 @@ def count_step(spec, example_shape: tuple[int, ...], example_dtype: str, *, micr
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from training.models import activations
-    from training.models.build import Tabular, build_model, shard_units
+    from training.models.build import Tabular, build_model, fsdp_layout
     from training.models.loss import loss_fn, split_batch
 
     with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True):
         model = build_model(spec).train()
         inner = model.model if isinstance(model, Tabular) else model
         activations.apply(inner, activation_checkpointing)
-        units = shard_units(inner)
+        units = fsdp_layout(inner)
         unit_params = [sum(p.numel() for p in u.parameters()) for u in units]
         in_units = {id(p) for u in units for p in u.parameters()}
         root_numel = sum(p.numel() for p in model.parameters() if id(p) not in in_units)

@@ -3,7 +3,8 @@
 worker's pre-launch check, evaluation and the registry), which gets the spec's JSON as a dict and
 returns an ``nn.Module``. A table's model is wrapped in ``Tabular``, which standardizes features and
 scales a regression output with train's statistics (buffers: they travel with the weights).
-Parallelism is applied from outside; ``shard_units`` names what FSDP shards one by one.
+Parallelism is applied from outside; ``shard_units`` names a model's blocks and ``fsdp_layout``
+everything FSDP shards one by one.
 ``check_model`` runs two rows through it before any rank starts; ``ConfigError`` names ``model``.
 """
 
@@ -71,6 +72,42 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     if units is None:
         return [c for c in model.children() if next(c.parameters(), None) is not None]
     return [model.get_submodule(u) if isinstance(u, str) else u for u in units]
+
+
+# A module outside the blocks holding fewer parameters than this (4 MiB in fp32: a norm, a small
+# head) stays with the root: a collective of its own each step would cost more than it saves.
+OUTER_UNIT_MIN_NUMEL = 1 << 20
+
+
+def fsdp_layout(model: nn.Module) -> list[nn.Module]:
+    """What FSDP2 shards one by one before the root: the blocks (``shard_units``), then each module
+    outside them that holds at least ``OUTER_UNIT_MIN_NUMEL`` parameters (an embedding, an output
+    head), as torchtitan shards its embedding and output apart. The root's parameters stay gathered
+    from the first forward to the end of backward, so a large vocabulary's embedding and head left
+    there would be held whole on every rank; as units they are gathered only while they compute.
+    A module sharing a parameter with another (a head tied to the embedding) stays with the root,
+    since one parameter cannot be sharded by two units. Nothing is wrapped here."""
+    blocks = shard_units(model)
+    block_ids = {id(b) for b in blocks}
+    owners: dict[int, int] = {}  # parameter -> how many modules hold it directly
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    outer: list[nn.Module] = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if id(child) in block_ids:
+                continue
+            if any(id(m) in block_ids for m in child.modules()):
+                walk(child)  # holds blocks: its other children may be units, its own parameters stay with the root
+                continue
+            params = list(child.parameters())
+            if sum(p.numel() for p in params) >= OUTER_UNIT_MIN_NUMEL and all(owners[id(p)] == 1 for p in params):
+                outer.append(child)
+
+    walk(model)
+    return [*blocks, *outer]
 
 
 def factory(path: str) -> Callable[[dict[str, Any]], nn.Module]:
