@@ -84,6 +84,49 @@ def test_streamed_export_of_a_sharded_model_has_the_old_bytes(tmp_path, group, m
     rebuilt, _ = load_exported(tmp_path / "new")
     for k, v in rebuilt.state_dict().items():
         assert torch.equal(v, full[k]), k
+    if spec.is_hf:  # the head stays tied to the embedding: one parameter, as the model was trained
+        assert rebuilt.model.lm_head.weight is rebuilt.model.get_input_embeddings().weight
+
+
+# Load an exported folder in a fresh process; print the growth of its anonymous memory (its own
+# pages, as opposed to the mapped file's) and a forward pass's output.
+LOAD = """
+import sys, torch
+from training.checkpoint.export import load_exported
+def anonymous():
+    return next(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("Anonymous:")) * 1024
+load_exported(sys.argv[2])  # a small model first: what the first load sets up once is not the model's
+before = anonymous()
+model, spec = load_exported(sys.argv[1])
+grown = anonymous() - before
+with torch.no_grad():
+    out = model(torch.arange(16).remainder(spec.vocab_size)[None])
+print(grown, out.double().sum().item())
+"""
+
+
+def test_an_exported_model_is_loaded_from_the_mapped_file_without_a_copy(tmp_path, group):
+    """Scoring a champion, serving, generating: the weights are the file's pages, not a second copy
+    in the process's memory (before: the model built with its own weights, then the file's copied in)."""
+    import subprocess
+    import sys
+
+    import dataclasses
+
+    spec = dataclasses.replace(_decoder_spec(), vocab_size=16384, n_classes=16384,  # 38 MiB of weights
+                               arch={"d_model": 256, "n_layers": 2, "n_heads": 4, "dropout": 0.0})
+    torch.manual_seed(0)
+    model = build_model(spec).eval()
+    export_model(model, tmp_path / "m", spec)
+    export_model(build_model(_decoder_spec()), tmp_path / "small", _decoder_spec())
+    weights = (tmp_path / "m" / MODEL_FILE).stat().st_size
+    done = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path / "m"), str(tmp_path / "small")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    grown, out = done.stdout.split()
+    assert int(grown) < weights / 4, (int(grown), weights)
+    with torch.no_grad():
+        assert float(out) == model(torch.arange(16).remainder(spec.vocab_size)[None]).double().sum().item()
 
 
 def _save_shards(rank: int, port: int, root: str, shapes: dict) -> None:

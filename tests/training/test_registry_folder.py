@@ -119,7 +119,7 @@ print("done", result["version"], "grew by", resource.getrusage(resource.RUSAGE_S
 def write_model(folder, depth: int = DEPTH) -> int:
     """An exported table model (``depth`` layers of ``HIDDEN``) written tensor by tensor, never whole
     in memory; its parameter bytes. benchmarks/registry_memory_bench.py writes its models with it."""
-    meta = {"kind": "tabular", "task": "classification", "features": [f"f{i}" for i in range(16)], "label": "y",
+    meta = {"kind": "tabular", "task": "classification", "features": [f"f{i}" for i in range(16)], "label": "label",
             "n_classes": 4}
     spec = ModelSpec.for_data("mlp", meta, hidden=HIDDEN, depth=depth)
     layout = {k: (v.dtype, tuple(v.shape)) for k, v in build_model(spec, meta=True).state_dict().items()}
@@ -165,6 +165,51 @@ def test_registration_of_a_model_larger_than_the_limit(tmp_path):
 
     rc, output, _, _ = _register_under_limit(tmp_path / "model", "whole-register", "pt2")
     assert rc == -9, f"registering the whole model was not stopped by the limit (exit {rc}): {output[-2000:]}"
+
+
+SCORE = r"""
+import resource, sys
+folder, data, mode = sys.argv[1:]
+import torch
+from training.data.dataset import open_dataset
+from training.evaluate import score_folder
+ds = open_dataset(data)
+print("ready", flush=True)
+sys.stdin.readline()  # the limit is set now
+if mode == "copied":  # how an exported model was loaded before: built with its weights, the file's copied in
+    import training.models.build as build, training.models.materialize as materialize
+    whole = build.build_model
+    build.build_model = lambda spec, meta=False: whole(spec)
+    materialize.assign_weights = lambda model, tensors, source: model.load_state_dict(tensors)
+print("scored", score_folder(folder, ds)["eval/accuracy"], flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not memlimit.available(), reason="needs root and the cgroup v1 memory controller")
+def test_a_champion_larger_than_the_limit_is_rescored_from_the_mapped_file(tmp_path):
+    """The gate re-scores a champion trained on other data on this run's validation rows
+    (``score_model``); the champion's weights are read as the file's pages, which the kernel drops
+    and reads again under the limit, so a model larger than the worker's limit is still scored."""
+    import os
+
+    from training.data.synthetic import make_teacher_dataset
+
+    size = write_model(tmp_path / "model")
+    make_teacher_dataset(tmp_path / "data", n_train=64, n_val=256, n_classes=4)
+    fd = os.open(tmp_path / "model" / MODEL_FILE, os.O_RDONLY)  # as on a worker that has just downloaded it:
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # its pages read (and charged) by the scoring process
+    os.close(fd)
+    argv = [sys.executable, "-c", SCORE, str(tmp_path / "model"), str(tmp_path / "data")]
+    rc, output, limit, peak = memlimit.run_once_ready("dtp-score", [*argv, "mapped"], BUDGET, timeout=300)
+    assert rc == 0 and "scored" in output, output[-3000:]
+    assert size > limit and peak <= limit
+    accuracy = float(output.split("scored")[1])
+    assert 0.0 <= accuracy <= 1.0
+    print(f"parameters {size / 2**20:.0f} MiB scored under a limit of {limit / 2**20:.0f} MiB (the group's peak, "
+          f"page cache included: {peak / 2**20:.0f} MiB)")
+    rc, output, _, _ = memlimit.run_once_ready("dtp-score", [*argv, "copied"], BUDGET, timeout=300)
+    assert rc == -9, f"loading the weights as a copy was not stopped by the limit (exit {rc}): {output[-2000:]}"
 
 
 def test_a_text_model_over_the_bound_is_not_loaded_to_register_it(tmp_path):

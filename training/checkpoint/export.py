@@ -200,18 +200,21 @@ def tensor_bytes(path: str | Path) -> int:
 
 
 def load_exported(path: str | Path):
-    """Rebuild the model from ``model.safetensors`` + ``model_config.json`` (no pickle involved)."""
+    """Rebuild the model from ``model.safetensors`` + ``model_config.json`` (no pickle involved).
+    The model is built with its parameters on the meta device and takes the file's tensors as they
+    are: safetensors maps the file, so the weights are the file's pages (shared between processes
+    that load the same folder, dropped and read again under memory pressure), not a copy. A
+    factory model is built as its function builds it (its constructor may need real weights)."""
     from safetensors.torch import load_file
 
     from training.models.build import build_model
+    from training.models.materialize import assign_weights
 
     path = Path(path)
     spec = read_spec(path)
-    model = build_model(spec)
+    model = build_model(spec, meta=not spec.is_factory)
+    tensors = load_file(str(path / MODEL_FILE))
     if spec.is_hf:  # the folder's names are the hf model's own
-        from training.models.hf import load_folder_weights
-
-        load_folder_weights(model, path)
-    else:
-        model.load_state_dict(load_file(str(path / MODEL_FILE)))
+        tensors = {f"model.{k}": v for k, v in tensors.items()}
+    assign_weights(model, tensors, path / MODEL_FILE)
     return model.eval(), spec  # for inference: dropout off

@@ -156,18 +156,6 @@ def export_names(names: list[str], model: nn.Module) -> dict[str, str]:
 EXPORT_METADATA = {"format": "pt"}  # what save_pretrained writes into the safetensors header
 
 
-def load_folder_weights(model: "HFModel", path: Path) -> None:
-    """An exported folder's weights into ``model``; only tied weights may be missing."""
-    from safetensors.torch import load_file
-
-    result = model.load_state_dict({f"model.{k}": v for k, v in load_file(str(path / WEIGHTS)).items()}, strict=False)
-    tied = {f"model.{k}" for k in _tied_names(model.model)}
-    missing = set(result.missing_keys) - tied
-    if missing or result.unexpected_keys:
-        raise ValueError(f"{path / WEIGHTS} does not fit the model: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(result.unexpected_keys)[:5]}")
-
-
 def _tied_names(model: nn.Module) -> set[str]:
     """Names of parameters that are another parameter (an LM head tied to the embedding)."""
     first: dict[int, str] = {}

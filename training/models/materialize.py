@@ -179,3 +179,28 @@ def _load_pretrained(model: nn.Module, folder: Path) -> set[str]:
         dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(folder)),
                  planner=DefaultLoadPlanner(allow_partial_load=True))
     return names
+
+
+def assign_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """``tensors`` (a state dict by the model's names) become the model's parameters and buffers as
+    they are, without a copy (``load_state_dict(assign=True)``): a model built on the meta device
+    and a mapped ``safetensors`` file give weights held as the file's pages, which the kernel may
+    drop and read again, instead of a second copy in the process's own memory. A parameter shared
+    by two names (an LM head tied to its embedding) stays shared whether the file holds it once or
+    twice; any other name missing or unexpected is a ValueError naming ``source``."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}  # a second name of a parameter -> its first name
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            tied[name] = first[id(p)]
+    want = model.state_dict(keep_vars=True)
+    state = {k: v if k not in want or v.dtype == want[k].dtype else v.to(want[k].dtype)
+             for k, v in tensors.items() if k not in tied}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    missing = sorted(set(result.missing_keys) - set(tied))
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{source} does not fit the model: missing {missing[:5]}, "
+                         f"unexpected {sorted(result.unexpected_keys)[:5]}")
+    for name, to in tied.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._parameters[leaf] = model.get_parameter(to)
