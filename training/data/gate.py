@@ -10,8 +10,8 @@ and fingerprint, and ``data_schema`` (what the data is); GX Data Docs with ``doc
 a dataset that cannot be opened or described included, raises ``DataValidationError`` (``.report``).
 ``gate_cached`` reuses a passed verdict for the same bytes, options, schema, gate code and GX version.
 Tables larger than memory (over ``BATCH_BYTES`` of Parquet) are checked in one pass over their row
-groups (a schema to infer: after a pass for train's profile) (``_batched``, training/data/batches.py). One module: the
-whole-split and the batched pass share the verdict's wording (``_failure``) and the GX context.
+groups (a schema to infer: after a pass for train's profile; training/data/gate_batched.py), in the
+same GX context and with the same wording of the verdict's lines (training/data/verdict.py).
 Why: docs/decisions/0002-vectorized-gate-checks.md, docs/decisions/0003-keep-passed-gate-verdicts.md.
 """
 
@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from training.data.batches import Totals, release_memory, split_batches, split_rows
+from training.data.batches import Totals
 from training.data.dataset import Dataset
 from training.data.expectations import build_suite
+from training.data.gate_batched import batched, inferred_in_batches, rows_per_batch
 from training.data.text import text_checks
 from training.config.fields import ConfigError
 from training.data.schema import (  # noqa: F401 (the gate's schema types, importable from here too)
@@ -40,6 +40,7 @@ from training.data.schema import (  # noqa: F401 (the gate's schema types, impor
     schema_from_meta,
 )
 from training.data.options import DataOptions
+from training.data.verdict import failure, one_line
 from training.data.sources import SPLITS, TABLE, discover
 from training.data.sources import fingerprint as files_fingerprint
 from training.util import sha256_file
@@ -60,91 +61,6 @@ class DataValidationError(ValueError):
 def fingerprint(root: str | Path) -> str:
     """The data fingerprint of a dataset (sha256 over every data file's path and sha256)."""
     return files_fingerprint(discover(str(root)).all_files)
-
-
-# --------------------------------------------------------------------------- suite
-
-
-def _plain(v: Any) -> Any:
-    """GX results hold numpy scalars, NaN and pandas NA; make them JSON- and human-friendly."""
-    if v is None or type(v).__name__ == "NAType":
-        return "null"
-    if hasattr(v, "item") and not isinstance(v, (list, dict)):
-        try:
-            v = v.item()
-        except (ValueError, AttributeError):
-            pass
-    if isinstance(v, float) and math.isnan(v):
-        return "NaN"
-    if isinstance(v, float) and math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
-    return v
-
-
-def _short(value: Any, limit: int = 60) -> Any:
-    """An example value for a verdict line: a long string (a document) cut to its start, on one line."""
-    if isinstance(value, str) and len(value) > limit:
-        return _one_line(value[:limit]) + "..."
-    return _one_line(value) if isinstance(value, str) else value
-
-
-def _one_line(text: str) -> str:
-    """Error texts from readers can hold newlines and raw bytes; a verdict line holds neither."""
-    text = " ".join(text.split())
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
-
-
-def _failure(split: str, r, schema: DatasetSchema) -> dict[str, Any]:
-    """One failed expectation: structured, plus a readable line naming column and observation."""
-    cfg = r.expectation_config
-    kw = cfg.kwargs
-    res = r.result or {}
-    col = kw.get("column")
-    if cfg.type == "expect_rows_to_be_unique":
-        col = "all columns"
-    observed: Any = None
-    if r.exception_info and r.exception_info.get("raised_exception"):
-        seen = f"could not run: {_one_line(str(r.exception_info.get('exception_message')))}"
-    elif cfg.type == "expect_table_columns_to_match_set":
-        mism = (res.get("details") or {}).get("mismatched") or {}
-        observed = _plain(res.get("observed_value"))
-        parts = [f"missing {mism['missing']}" if mism.get("missing") else "",
-                 f"unexpected {mism['unexpected']}" if mism.get("unexpected") else ""]
-        seen = ", ".join(p for p in parts if p) or f"observed {observed}"
-    elif cfg.type == "expect_rows_to_be_unique":
-        n, total = res.get("unexpected_count", 0), res.get("element_count", 0)
-        observed = round(n / total, 6) if total else None
-        seen = (f"{n} of {total} rows are duplicated ({100 * (observed or 0):.2f}%, "
-                f"allowed {100 * schema.max_duplicate_fraction:.2f}%)")
-    elif cfg.type == "expect_column_class_fractions_to_be_between":
-        observed = _plain(res.get("observed_value"))
-        off = _plain((res.get("details") or {}).get("out_of_bounds"))
-        seen = f"class shares {off or observed} outside [{kw['min_fraction']}, {kw['max_fraction']}]"
-    elif cfg.type == "expect_column_values_to_be_in_type_list" and "observed_value" in res:
-        observed = _plain(res["observed_value"])
-        family = next((f for f, names in DTYPE_FAMILIES.items() if names == list(kw.get("type_list") or [])), None)
-        seen = f"observed dtype {observed}, expected {family or kw.get('type_list')}"
-    elif res.get("unexpected_count"):
-        observed = res["unexpected_count"]
-        seen = f"{observed} bad values"
-        # Examples of a null check are all null: they say nothing the count does not.
-        examples = [_short(e) for e in (_plain(v) for v in res.get("partial_unexpected_list") or [])
-                    if e not in ("NaN", "null")][:3]
-        if examples:
-            seen += f", e.g. {examples}"
-    elif "observed_value" in res:
-        observed = _plain(res["observed_value"])
-        bounds = {k: _plain(kw[k]) for k in ("min_value", "max_value") if kw.get(k) is not None
-                  and abs(kw[k]) < 1e300}
-        seen = f"observed {observed}" + (f", allowed {bounds}" if bounds else "")
-    else:
-        seen = "failed"
-    line = f"{split}: {cfg.type}{f'({col})' if col else ''}: {seen}"
-    return {"split": split, "expectation": cfg.type, "column": col, "observed": observed, "line": line}
 
 
 # --------------------------------------------------------------------------- the gate
@@ -169,7 +85,7 @@ def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, e
     checked), ``data_schema`` (what the data is), ``data_docs``.
 
     A table over ``BATCH_BYTES`` of Parquet (or any, with ``batch_rows``) is checked in one pass
-    over its row groups instead of whole splits (``_batched``; a schema inferred from train's
+    over its row groups instead of whole splits (``gate_batched.batched``; a schema inferred from train's
     profile, itself a pass first); the verdict then carries ``batched`` (rows per batch, batches,
     seconds).
     """
@@ -201,7 +117,7 @@ def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, e
     source = context.data_sources.add_pandas("pandas")
     text_lines: list[str] = []
     if tables is None:  # data larger than memory: one pass over the row groups
-        train_totals = _batched(ds, schema, _batch_rows(ds, batch_rows), context, source, report, fail)
+        train_totals = batched(ds, schema, rows_per_batch(ds, batch_rows), context, source, report, fail)
         report["data_schema"] = _data_schema(ds, schema, report, train_totals)
         tables = {}
     if schema.kind == "text":  # what a suite of column expectations cannot say about documents
@@ -217,7 +133,7 @@ def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, e
         del df
         for r in result.results:
             if not r.success:
-                f = _failure(split, r, schema)
+                f = failure(split, r, schema)
                 report["failures"].append(f.pop("line"))
                 report["failed_expectations"].append({"line": report["failures"][-1], **f})
     for line in text_lines:
@@ -257,9 +173,9 @@ def _open(dataset, options, env, report: dict[str, Any], fail,
         raise stop()
     report["files"] = [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in ds.layout.all_files]
     report["fingerprint"] = ds.fingerprint
-    rows = _batch_rows(ds, batch_rows)
+    rows = rows_per_batch(ds, batch_rows)
     if rows:
-        return ds, None, declared if declared is not None else _inferred_in_batches(ds, rows, report, fail, stop)
+        return ds, None, declared if declared is not None else inferred_in_batches(ds, rows, report, fail, stop)
     tables: dict[str, Any] = {}
     for split in SPLITS:
         try:
@@ -267,7 +183,7 @@ def _open(dataset, options, env, report: dict[str, Any], fail,
             report["rows"][split] = tables[split].num_rows
         except Exception as e:  # corrupt / truncated / empty file: pyarrow raises several types
             where = "table" if TABLE in ds.layout.files else split
-            fail(f"{where}: cannot read Parquet ({type(e).__name__}: {_one_line(str(e))})", split=split)
+            fail(f"{where}: cannot read Parquet ({type(e).__name__}: {one_line(str(e))})", split=split)
             if TABLE in ds.layout.files:
                 break
     if "train" not in tables:
@@ -278,132 +194,6 @@ def _open(dataset, options, env, report: dict[str, Any], fail,
         fail(str(e), field=e.field)
         raise stop() from None
     return ds, tables, schema
-
-
-# --------------------------------------------------------------------------- data larger than memory
-
-BATCH_BYTES = 512 << 20  # Parquet bytes from which a dataset is checked in batches
-BATCH_ROWS = 1_000_000
-# Expectations on the whole split: checked on the pass's totals, not per batch.
-_WHOLE = {"expect_table_row_count_to_be_between", "expect_rows_to_be_unique", "expect_column_values_to_be_unique",
-          "expect_column_class_fractions_to_be_between"}
-
-
-def _batch_rows(ds: Dataset, batch_rows: int | None) -> int | None:
-    """Rows per batch when ``ds`` is to be checked in batches: tables (not text, whose checks
-    compare documents across splits) over ``BATCH_BYTES`` or asked for."""
-    meta = ds.layout.meta or {}
-    if ds.options.text_column or meta.get("kind") == "text":
-        return None
-    if batch_rows:
-        return int(batch_rows)
-    return BATCH_ROWS if sum(f.size for f in ds.layout.all_files) > BATCH_BYTES else None
-
-
-def _inferred_in_batches(ds: Dataset, rows: int, report: dict[str, Any], fail, stop) -> DatasetSchema:
-    """The schema ``infer_schema`` infers from train, with train's profile from a pass over its
-    row groups (the description: passes over the label, training/data/table_stream.py) instead of
-    the whole split: the same schema, as min and max are exact in any order."""
-    try:
-        meta = ds.meta
-    except ConfigError as e:  # the table cannot be described: no label column, a single class...
-        fail(str(e), field=e.field)
-        raise stop() from None
-    except (OSError, ValueError) as e:  # a footer pyarrow cannot read
-        fail(f"train: cannot read Parquet ({type(e).__name__}: {_one_line(str(e))})", split="train")
-        raise stop() from None
-    totals = Totals(hashed=[], label=None)
-    try:
-        for table in split_batches(ds.layout, "train", ds.options, rows):
-            totals.add(table, None)
-            del table
-            release_memory()
-    except Exception as e:  # corrupt / truncated file: pyarrow raises several types
-        fail(f"train: cannot read Parquet ({type(e).__name__}: {_one_line(str(e))})", split="train")
-        raise stop() from None
-    return infer_schema(ds.parts("train").schema.empty_table(), meta, totals.profile())
-
-
-def _batched(ds: Dataset, schema: DatasetSchema, rows: int, context, source, report: dict[str, Any], fail) -> Totals:
-    """Each split's suite on every batch of ``rows`` rows (its per-row and per-column
-    expectations), then the whole-split ones (row count, duplicates, class shares) on the
-    pass's totals. A failure is reported once per expectation and column, with the first batch
-    that failed it and how many did. Returns train's totals."""
-    import time
-
-    import great_expectations as gx
-
-    t0 = time.perf_counter()
-    hashed = [c.name for c in schema.columns]
-    train: Totals | None = None
-    report["batched"] = {"rows_per_batch": rows, "batches": {}}
-    for split in SPLITS:
-        totals = Totals(hashed=hashed, label=schema.label if schema.class_fraction else None,
-                        capacity=split_rows(ds.layout, split))
-        vd, failed, start, count = None, {}, 0, 0
-        try:
-            for table in split_batches(ds.layout, split, ds.options, rows):
-                df = table.to_pandas(split_blocks=True)
-                totals.add(table, df)
-                if vd is None:
-                    whole = build_suite(schema, name=f"{schema.kind}_{split}", dtypes=dict(df.dtypes), rows=len(df))
-                    suite = context.suites.add(gx.ExpectationSuite(name=whole.name, expectations=[
-                        e for e in whole.expectations if e.expectation_type not in _WHOLE]))
-                    batch_def = source.add_dataframe_asset(name=split).add_batch_definition_whole_dataframe("all")
-                    vd = context.validation_definitions.add(gx.ValidationDefinition(name=split, data=batch_def, suite=suite))
-                for r in vd.run(batch_parameters={"dataframe": df}).results:
-                    if not r.success:
-                        f = _failure(split, r, schema)
-                        key = (f["expectation"], f["column"])
-                        if key not in failed:
-                            failed[key] = [f, 0, start, start + len(df)]
-                        failed[key][1] += 1
-                start += len(df)
-                count += 1
-                _forget_batch(source)
-                del df, table
-                release_memory()
-        except Exception as e:  # corrupt / truncated file: pyarrow raises several types
-            fail(f"{split}: cannot read Parquet ({type(e).__name__}: {_one_line(str(e))})", split=split)
-        report["rows"][split] = totals.rows
-        report["batched"]["batches"][split] = count
-        for f, times, a, b in failed.values():
-            line = f.pop("line") + f" (first in rows {a}-{b - 1}; {times} of {count} batches)"
-            fail(line, **f)
-        for line in _whole_split_failures(split, schema, totals):
-            fail(line, split=split)
-        train = totals if split == "train" else train
-    report["batched"]["seconds"] = round(time.perf_counter() - t0, 3)
-    return train
-
-
-def _forget_batch(source) -> None:
-    """GX's execution engine keeps the last batch's DataFrame (and the Arrow buffers it views)
-    until the next run replaces it: dropped, so the next batch is read without it."""
-    manager = source.get_execution_engine().batch_manager
-    manager.reset_batch_cache()
-    manager.batch_data_cache.clear()
-
-
-def _whole_split_failures(split: str, schema: DatasetSchema, t: Totals) -> list[str]:
-    """The whole-split expectations on a batched pass's totals, worded as ``_failure`` words them."""
-    out = []
-    if t.rows < schema.min_rows:
-        out.append(f"{split}: expect_table_row_count_to_be_between: observed {t.rows}, allowed "
-                   f"{{'min_value': {schema.min_rows}}}")
-    dup = t.duplicated()
-    if t.rows and dup / t.rows > schema.max_duplicate_fraction:
-        out.append(f"{split}: expect_rows_to_be_unique(all columns): {dup} of {t.rows} rows are duplicated "
-                   f"({100 * dup / t.rows:.2f}%, allowed {100 * schema.max_duplicate_fraction:.2f}%)")
-    labels = schema.label_values()
-    if schema.class_fraction and labels and t.label:
-        lo, hi = schema.class_fraction
-        shares = {str(v): t.labels.get(v, 0) / max(1, t.rows) for v in labels}
-        off = {k: round(v, 4) for k, v in shares.items() if not lo <= v <= hi}
-        if off or not t.rows:
-            out.append(f"{split}: expect_column_class_fractions_to_be_between({t.label}): class shares {off} "
-                       f"outside [{lo}, {hi}]")
-    return out
 
 
 def _data_schema(ds: Dataset, schema: DatasetSchema, report: dict[str, Any], totals: Totals | None = None) -> dict[str, Any]:
@@ -439,17 +229,19 @@ def _data_schema(ds: Dataset, schema: DatasetSchema, report: dict[str, Any], tot
 
 def gate_key(ds: Dataset, min_rows: int | None = None) -> str:
     """What a verdict depends on: the data files' bytes (the fingerprint), ``dataset.json``, the
-    options that turn the table into training data, the gate's code (this module, the schema and
-    the table reader), the Great Expectations version and ``min_rows``."""
+    options that turn the table into training data, the gate's code (this module, the pass in
+    batches, the verdict's wording, the schema and the table reader), the Great Expectations
+    version and ``min_rows``."""
     import json
     from importlib.metadata import version
 
-    from training.data import batches, expectations, options, schema, sources, split, text
+    from training.data import batches, expectations, gate_batched, options, schema, sources, split, text, verdict
 
     h = hashlib.sha256()
     for part in (ds.fingerprint, json.dumps(ds.layout.meta, sort_keys=True, default=str),
                  json.dumps(asdict(ds.options), sort_keys=True, default=str),
-                 *(sha256_file(Path(m.__file__)) for m in (batches, expectations, options, schema, sources, split, text)),
+                 *(sha256_file(Path(m.__file__)) for m in (batches, expectations, gate_batched, options, schema, sources,
+                                                           split, text, verdict)),
                  sha256_file(Path(__file__)),
                  version("great_expectations"), str(min_rows)):
         h.update(part.encode() + b"\0")
