@@ -52,7 +52,10 @@ def test_a_language_model_on_text_then_the_same_text_from_s3(airflow_db, s3_serv
     assert summary["validation_tokens"] > 0 and 0.2 < summary["validation_tokens_per_byte"] < 1
     samples = json.loads(Path(client.download_artifacts(run.info.run_id, "samples/samples.json", str(tmp_path))).read_text())
     assert len(samples["prompts"]) == len(samples["greedy"]) == len(samples["sampled"]) == 4
-    assert all(isinstance(s, str) and s for s in samples["sampled"])
+    # A continuation may end at once (the model's end-of-text after a prompt that reads as a whole
+    # line, as "* If the target is an identifier (name):" does); most go on: the model writes text.
+    assert all(isinstance(s, str) for s in samples["sampled"] + samples["greedy"])
+    assert sum(bool(s) for s in samples["sampled"]) >= len(samples["sampled"]) // 2, json.dumps(samples)
     assert "## Prompt 1" in Path(client.download_artifacts(run.info.run_id, "samples/samples.md", str(tmp_path))).read_text()
     # The registered model carries its tokenizer, the one the run trained.
     version = client.get_model_version("text-lm", tags["registry.version"])
