@@ -20,7 +20,7 @@ from training.checkpoint.export import load_exported
 from training.config.train_config import TrainConfig
 from training.data.dataset import open_dataset
 from training.config.fields import ConfigError
-from training.models.build import OUTER_UNIT_MIN_NUMEL, fsdp_layout, shard_units
+from training.models.build import OUTER_UNIT_MIN_NUMEL, fsdp_layout, shard_units, used_last
 from training.train import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,6 +153,7 @@ def test_fsdp_shards_a_large_embedding_and_head_apart_from_the_root_unless_tied(
     vocab = OUTER_UNIT_MIN_NUMEL // 64
     big = Transformer(vocab_size=vocab, seq_len=8, d_model=64, n_layers=2, n_heads=4)
     assert fsdp_layout(big) == [*big.blocks, big.tok, big.head]  # the norm (64 parameters) stays with the root
+    assert used_last(big, fsdp_layout(big)) == [big.head]  # kept gathered from its forward to its backward
     small = Transformer(vocab_size=vocab // 2, seq_len=8, d_model=64, n_layers=2, n_heads=4)
     assert fsdp_layout(small) == list(small.blocks)
     tied = Transformer(vocab_size=vocab, seq_len=8, d_model=64, n_layers=2, n_heads=4)

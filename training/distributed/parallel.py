@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from training.distributed.comm import CommTimer, _fsdp_timed_comms, _timed
 from training.models import activations, compiling
-from training.models.build import fsdp_layout
+from training.models.build import fsdp_layout, used_last
 from training.util import free_port
 
 
@@ -140,9 +140,12 @@ def parallelize(model: nn.Module, cfg, info: DistInfo,
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16" else MixedPrecisionPolicy()
-        units = [*fsdp_layout(model), model]
+        units = fsdp_layout(model)
+        held = {id(u) for u in used_last(model, units)}
         for unit in units:
-            fully_shard(unit, mp_policy=mp)
+            fully_shard(unit, mp_policy=mp, reshard_after_forward=id(unit) not in held)
+        fully_shard(model, mp_policy=mp)
+        units.append(model)
         timer.timed = info.device.type == "cpu"  # see CommTimer: CUDA streams are not timed
         if timer.timed:
             all_gather, reduce_scatter = _fsdp_timed_comms(timer)

@@ -110,6 +110,21 @@ def fsdp_layout(model: nn.Module) -> list[nn.Module]:
     return [*blocks, *outer]
 
 
+def used_last(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """The units of ``fsdp_layout`` outside the blocks that the model registers after its last block
+    (an output head): used last in forward and first in backward, they stay gathered in between
+    (FSDP2's ``reshard_after_forward=False``, as torchtitan leaves its output layer) instead of
+    being freed and gathered again at once. Where the order of registration is not the order of
+    use, such a unit is held as the root would have held it, no longer."""
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    blocks = shard_units(model)
+    if not blocks:
+        return []
+    last = max(order[id(b)] for b in blocks)
+    block_ids = {id(b) for b in blocks}
+    return [u for u in units if id(u) not in block_ids and order[id(u)] > last]
+
+
 def factory(path: str) -> Callable[[dict[str, Any]], nn.Module]:
     """The function ``package.module:function`` names (imported now)."""
     module_name, _, attr = path.partition(":")
