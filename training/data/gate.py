@@ -40,7 +40,7 @@ from training.data.schema import (  # noqa: F401 (the gate's schema types, impor
     schema_from_meta,
 )
 from training.data.options import DataOptions
-from training.data.verdict import failure, one_line
+from training.data.verdict import failure, unreadable
 from training.data.sources import SPLITS, TABLE, discover
 from training.data.sources import fingerprint as files_fingerprint
 from training.util import sha256_file
@@ -134,8 +134,7 @@ def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, e
         for r in result.results:
             if not r.success:
                 f = failure(split, r, schema)
-                report["failures"].append(f.pop("line"))
-                report["failed_expectations"].append({"line": report["failures"][-1], **f})
+                fail(f.pop("line"), **f)
     for line in text_lines:
         fail(line)
     if docs_dir is not None:
@@ -183,7 +182,7 @@ def _open(dataset, options, env, report: dict[str, Any], fail,
             report["rows"][split] = tables[split].num_rows
         except Exception as e:  # corrupt / truncated / empty file: pyarrow raises several types
             where = "table" if TABLE in ds.layout.files else split
-            fail(f"{where}: cannot read Parquet ({type(e).__name__}: {one_line(str(e))})", split=split)
+            fail(unreadable(where, e), split=split)
             if TABLE in ds.layout.files:
                 break
     if "train" not in tables:

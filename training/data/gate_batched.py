@@ -14,7 +14,7 @@ from training.data.dataset import Dataset
 from training.data.expectations import build_suite
 from training.data.schema import DatasetSchema, infer_schema
 from training.data.sources import SPLITS
-from training.data.verdict import failure, one_line
+from training.data.verdict import failure, unreadable
 
 BATCH_BYTES = 512 << 20  # Parquet bytes from which a dataset is checked in batches
 BATCH_ROWS = 1_000_000
@@ -44,7 +44,7 @@ def inferred_in_batches(ds: Dataset, rows: int, report: dict[str, Any], fail, st
         fail(str(e), field=e.field)
         raise stop() from None
     except (OSError, ValueError) as e:  # a footer pyarrow cannot read
-        fail(f"train: cannot read Parquet ({type(e).__name__}: {one_line(str(e))})", split="train")
+        fail(unreadable("train", e), split="train")
         raise stop() from None
     totals = Totals(hashed=[], label=None)
     try:
@@ -53,7 +53,7 @@ def inferred_in_batches(ds: Dataset, rows: int, report: dict[str, Any], fail, st
             del table
             release_memory()
     except Exception as e:  # corrupt / truncated file: pyarrow raises several types
-        fail(f"train: cannot read Parquet ({type(e).__name__}: {one_line(str(e))})", split="train")
+        fail(unreadable("train", e), split="train")
         raise stop() from None
     return infer_schema(ds.parts("train").schema.empty_table(), meta, totals.profile())
 
@@ -98,7 +98,7 @@ def batched(ds: Dataset, schema: DatasetSchema, rows: int, context, source, repo
                 del df, table
                 release_memory()
         except Exception as e:  # corrupt / truncated file: pyarrow raises several types
-            fail(f"{split}: cannot read Parquet ({type(e).__name__}: {one_line(str(e))})", split=split)
+            fail(unreadable(split, e), split=split)
         report["rows"][split] = totals.rows
         report["batched"]["batches"][split] = count
         for f, times, a, b in failed.values():
@@ -120,7 +120,7 @@ def _forget_batch(source) -> None:
 
 
 def _whole_split_failures(split: str, schema: DatasetSchema, t: Totals) -> list[str]:
-    """The whole-split expectations on a batched pass's totals, worded as ``_failure`` words them."""
+    """The whole-split expectations on a batched pass's totals, worded as ``verdict.failure`` words them."""
     out = []
     if t.rows < schema.min_rows:
         out.append(f"{split}: expect_table_row_count_to_be_between: observed {t.rows}, allowed "

@@ -11,7 +11,6 @@ from typing import Any
 from training.data.schema import DTYPE_FAMILIES, DatasetSchema
 
 
-
 def plain(v: Any) -> Any:
     """GX results hold numpy scalars, NaN and pandas NA; make them JSON- and human-friendly."""
     if v is None or type(v).__name__ == "NAType":
@@ -37,6 +36,11 @@ def short(value: Any, limit: int = 60) -> Any:
     if isinstance(value, str) and len(value) > limit:
         return one_line(value[:limit]) + "..."
     return one_line(value) if isinstance(value, str) else value
+
+
+def unreadable(where: str, e: BaseException) -> str:
+    """The line for a Parquet file pyarrow cannot read (corrupt, truncated, empty)."""
+    return f"{where}: cannot read Parquet ({type(e).__name__}: {one_line(str(e))})"
 
 
 def one_line(text: str) -> str:

@@ -149,20 +149,10 @@ def write_config(arch: dict[str, Any], path: Path) -> None:
 def export_names(names: list[str], model: nn.Module) -> dict[str, str]:
     """The wrapper's state-dict names -> the hf model's own names in ``model.safetensors``; tied
     weights (an LM head sharing the embedding) are stored once, under the first name."""
-    tied = {f"model.{k}" for k in _tied_names(model.model)} if isinstance(model, HFModel) else set()
+    from training.models.materialize import tied_parameters
+
+    tied = {f"model.{k}" for k in tied_parameters(model.model)} if isinstance(model, HFModel) else set()
     return {k: k.removeprefix("model.") for k in names if k not in tied}
 
 
 EXPORT_METADATA = {"format": "pt"}  # what save_pretrained writes into the safetensors header
-
-
-def _tied_names(model: nn.Module) -> set[str]:
-    """Names of parameters that are another parameter (an LM head tied to the embedding)."""
-    first: dict[int, str] = {}
-    tied = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            tied.add(name)
-        else:
-            first[id(p)] = name
-    return tied

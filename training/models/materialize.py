@@ -181,6 +181,17 @@ def _load_pretrained(model: nn.Module, folder: Path) -> set[str]:
     return names
 
 
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """Each second name of a parameter that is another one (an LM head tied to its embedding) ->
+    the name it has first."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            tied[name] = first[id(p)]
+    return tied
+
+
 def assign_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
     """``tensors`` (a state dict by the model's names) become the model's parameters and buffers as
     they are, without a copy (``load_state_dict(assign=True)``): a model built on the meta device
@@ -188,11 +199,7 @@ def assign_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: P
     drop and read again, instead of a second copy in the process's own memory. A parameter shared
     by two names (an LM head tied to its embedding) stays shared whether the file holds it once or
     twice; any other name missing or unexpected is a ValueError naming ``source``."""
-    first: dict[int, str] = {}
-    tied: dict[str, str] = {}  # a second name of a parameter -> its first name
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if first.setdefault(id(p), name) != name:
-            tied[name] = first[id(p)]
+    tied = tied_parameters(model)
     want = model.state_dict(keep_vars=True)
     state = {k: v if k not in want or v.dtype == want[k].dtype else v.to(want[k].dtype)
              for k, v in tensors.items() if k not in tied}
