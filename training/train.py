@@ -154,11 +154,11 @@ class Trainer:
         # return a model in eval mode, which would train with its dropout off.
         model, initial = build_for_training(spec, seed=cfg.seed, strategy=cfg.strategy)
         self.model, self.comm_timer = parallel.parallelize(model.train(), cfg, info, initial)
-        # DDP: the fused AdamW kernel, one call per step instead of a Python loop over the
-        # parameters (a seventh of the demo MLP's step on one CPU core). FSDP2's sharded
-        # parameters keep torch's default implementation.
+        # The fused AdamW kernel, one call per step instead of a Python loop over the parameters
+        # (a seventh of the demo MLP's step on one CPU core). FSDP2's sharded DTensor parameters take
+        # it too: 6-12% of a small decoder's FSDP step on CPU (docs/benchmarks.md).
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                           fused=True if cfg.strategy == "ddp" else None)
+                                           fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.scaler = precision.grad_scaler(cfg.precision, info.device)
         blocks = prepared.blocks
