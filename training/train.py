@@ -142,7 +142,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, info: parallel.DistInfo, prepared: Prepared,
                  startup: StartupClock | None = None) -> None:
-        spec, train = prepared.spec, prepared.train
+        spec = prepared.spec
         self.cfg, self.info, self.spec = cfg, info, spec
         self.tokenizer_file = getattr(prepared.dataset, "tokenizer_file", None)  # text: exported with the model
         self.startup = startup or StartupClock()
