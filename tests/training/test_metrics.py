@@ -33,6 +33,7 @@ from training.config.fields import ConfigError
 from training.config.train_config import TrainConfig
 from training.metrics.formulas import lineage_summary
 from training.metrics.peak import _table_peak, peak_flops
+from training.metrics.steps import StepLog
 from training.tracking.run import get_or_create_experiment, read_summary
 
 PROGRESS = re.compile(r"^step (\d+)/\d+ \| loss [0-9.]+ \| (\d+) samples/s")
@@ -169,7 +170,7 @@ def test_reported_throughput_matches_wall_clock_between_progress_lines(runs):
         # The trainer's windows are contiguous: total samples over the sum of window times.
         window_s = sum((b[1] - a[1]) * BATCH / b[2] for a, b in zip(progress, progress[1:]))
         reported = (s1 - s0) * BATCH / window_s
-        stamps = {r["step"]: r["t"] for r in map(json.loads, (runs[name]["root"] / "out" / "steps.jsonl").read_text().splitlines())}
+        stamps = {r["step"]: r["t"] for r in StepLog.iter(runs[name]["root"] / "out")}
         stamped = (s1 - s0) * BATCH / (stamps[s1] - stamps[s0])
         assert reported == pytest.approx(stamped, rel=0.05), (name, reported, stamped)
         # Read late at either end: the span here is off by up to the read delay, never by more.
@@ -387,8 +388,6 @@ def test_step_records_are_read_as_a_stream_and_the_last_from_the_end(tmp_path):
     """A long run writes millions of step records: the summary reads them once as a stream, and
     the last record (a restart's fault accounting, a drill's progress) comes from the file's end,
     skipping a line a crash cut short."""
-    from training.metrics.steps import StepLog
-
     n = 20_000
     with open(tmp_path / StepLog.NAME, "w") as f:
         for i in range(1, n + 1):
