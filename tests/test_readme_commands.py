@@ -56,10 +56,9 @@ TEXT_LM = [  # "Train a language model on your text", in its order
     ".venv/bin/python -m training make-data --kind text --out var/data/python-help",
     ".venv/bin/python -m training validate --dataset-uri var/data/python-help --text-column text",
     ".venv/bin/python scripts/demo.py --set dataset_uri=var/data/python-help --set text_column=text --set model=transformer "
-    "--set tokenizer=bpe:1024 --set seq_len=64 --set batch_size=32 --set steps=200 --set target_metric=none",
+    "--set tokenizer=bpe:1024 --set seq_len=64 --set batch_size=32 --set steps=200",  # no target: the demo's is for its table
     ".venv/bin/python scripts/demo.py --set dataset_uri=var/data/python-help --set text_column=text "
-    "--set model=hf:/models/my-gpt2 --set seq_len=64 --set batch_size=32 --set steps=50 --set lr=1e-4 "
-    "--set target_metric=none",
+    "--set model=hf:/models/my-gpt2 --set seq_len=64 --set batch_size=32 --set steps=50 --set lr=1e-4",
 ]
 # Each command run here -> the test that runs it.
 RUN = {VALIDATE_WINE: "test_train_on_your_data", DEMO_WINE: "test_train_on_your_data",

@@ -131,7 +131,8 @@ class ConfCheck:
             return None
         error = unknown_fields_error(conf, known, dag_id=dag_id)
         if error is None and dag_id in POLICY_DAGS and isinstance(known, Mapping):
-            error = _outside_policy({**known, **conf})
+            params = {**known, **conf}
+            error = _outside_policy(params) or _target_mismatch(params)
         return error
 
 
@@ -142,6 +143,21 @@ def _outside_policy(params: dict[str, Any]) -> ConfigError | None:
     try:
         policy.check(params, resolve=settings.resolve_path)
     except policy.PolicyError as e:
+        return e
+    return None
+
+
+def _target_mismatch(params: dict[str, Any]) -> ConfigError | None:
+    """A ``target_metric`` the run's task cannot log, as far as the fields tell (the data is
+    not read here: ``open_run`` checks it against the table's schema)."""
+    from training.config.train_config import check_target_task
+
+    target = params.get("target_metric")
+    if not isinstance(target, str):  # Airflow's own validation answers a wrong type
+        return None
+    try:
+        check_target_task(target, task=str(params.get("task") or "auto"), text_column=params.get("text_column") or None)
+    except ConfigError as e:
         return e
     return None
 

@@ -34,7 +34,31 @@ def train_config(params: dict[str, Any], *, world_size: int | None = None, check
         meta = read_meta(cfg.dataset_uri)
         if "kind" in meta:
             cfg.check_dataset(meta)
+    elif cfg.text_column and cfg.has_target and (task := _text_task(cfg.dataset_uri, cfg.label_column, cfg.text_column)):
+        from training.config.train_config import check_target_task
+
+        check_target_task(cfg.target_metric, data_task=task)
     return cfg
+
+
+def _text_task(uri: str, label: str, text_column: str) -> str | None:
+    """The task of a local text table without dataset.json, from one Parquet file's schema (no rows
+    read): a classifier when it holds ``label``, else a language model (the gate's rule, in
+    ``training.data.schema``). None where that cannot be told cheaply (S3, no Parquet file here):
+    the gate reports it."""
+    import pyarrow.parquet as pq
+
+    root = Path(uri)
+    if uri.startswith("s3://") or not root.exists():
+        return None
+    first = root if root.is_file() else next(iter(sorted(root.rglob("*.parquet"))), None)
+    try:
+        names = pq.read_schema(first).names if first is not None else None
+    except (OSError, ValueError):  # not readable as Parquet: the gate says why
+        return None
+    if names is None or text_column not in names:  # the gate names the missing column
+        return None
+    return "classification" if label in names and label != text_column else "language_modeling"
 
 
 def data_options(params: dict[str, Any]) -> Any:

@@ -141,3 +141,67 @@ def test_open_run_refuses_a_conf_key_that_is_no_param_before_any_other_check(mon
         tasks.open_run(params, dag_id="distributed_training", dag_run_id="manual__x", dag_run=dag_run)
     assert str(failed.value).startswith("invalid run parameters: config field 'step': is not a Param of "
                                         "distributed_training (did you mean 'steps'?)")
+
+
+# --------------------------------------------------------------------------- a target that fits the task
+
+
+def test_a_trigger_whose_target_the_task_cannot_log_gets_400():
+    async def authorized(scope, dag_id):
+        return True
+
+    defaults = {"target_metric": "eval/accuracy", "target_value": 0.8, "text_column": "", "task": "auto"}
+    check = ConfCheck(None, declared=lambda app, dag_id: defaults, authorized=authorized)
+    status, body, reached = _request(check, TRIGGER, json.dumps({"conf": {"task": "regression"}}).encode())
+    assert (status, reached) == (400, []), body
+    assert json.loads(body)["detail"].startswith("config field 'target_metric': eval/accuracy is measured for "
+                                                 "classification only, but task is regression")
+    for conf in ({"text_column": "text"}, {"task": "regression", "target_metric": "eval/r2"}):
+        status, _, reached = _request(check, TRIGGER, json.dumps({"conf": conf}).encode())
+        assert status == 200 and len(reached) == 1, conf
+
+
+def _text_table(root, columns):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True)
+    pq.write_table(pa.table(columns), root / "docs.parquet")
+    return root
+
+
+def test_open_run_refuses_accuracy_on_text_without_a_label_before_the_gate(tmp_path):
+    """No dataset.json: one Parquet file's schema says text without a label, i.e. a language model."""
+    from training_airflow.params import training_params
+    from training_airflow.run_config import train_config
+
+    params = {k: p.value for k, p in training_params().items()}
+    lm = _text_table(tmp_path / "lm", {"text": ["a document", "another one"]})
+    with pytest.raises(ConfigError) as err:
+        train_config({**params, "dataset_uri": str(lm), "text_column": "text", "model": "transformer",
+                      "target_metric": "eval/accuracy", "target_value": 0.8})
+    assert err.value.field == "target_metric"
+    assert "eval/accuracy is measured for classification only, but the data trains language modeling" in str(err.value)
+    cfg = train_config({**params, "dataset_uri": str(lm), "text_column": "text", "model": "transformer",
+                        "target_metric": "eval/bits_per_byte", "target_value": 2.5})
+    assert cfg.target_metric == "eval/bits_per_byte"
+    labelled = _text_table(tmp_path / "cls", {"text": ["good", "bad"], "label": [1, 0]})
+    train_config({**params, "dataset_uri": str(labelled), "text_column": "text", "model": "transformer",
+                  "target_metric": "eval/accuracy", "target_value": 0.8})
+
+
+def test_the_demo_asks_for_accuracy_only_on_its_own_classification_table(monkeypatch):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # demo.py imports project_env beside it
+
+    spec = importlib.util.spec_from_file_location("demo_script", ROOT / "scripts" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    assert demo.run_conf([])["target_metric"] == "eval/accuracy"
+    assert demo.run_conf(["steps=50"]) == {**demo.DEMO_CONF, "steps": 50}
+    text = demo.run_conf(["dataset_uri=var/data/python-help", "text_column=text", "model=transformer"])
+    assert "target_metric" not in text and text["model"] == "transformer"
+    assert demo.run_conf(["dataset_uri=/d", "target_metric=eval/r2", "target_value=0.5"])["target_metric"] == "eval/r2"
+    with pytest.raises(ValueError, match="has no '='"):
+        demo.run_conf(["steps"])

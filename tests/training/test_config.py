@@ -66,3 +66,26 @@ def test_config_hash_ignores_paths():
     a = TrainConfig(dataset_uri="/d", checkpoint_dir="/x")
     b = TrainConfig(dataset_uri="/d", checkpoint_dir="/y")
     assert a.config_hash() == b.config_hash() != TrainConfig(dataset_uri="/d", seed=1).config_hash()
+
+
+@pytest.mark.parametrize("fields, target, says", [
+    ({"text_column": "text"}, "eval/r2", "eval/r2 is measured for regression only, but text_column is 'text'"),
+    ({"task": "classification"}, "eval/rmse", "eval/rmse is measured for regression only, but task is classification"),
+    ({"task": "regression"}, "eval/accuracy", "eval/accuracy is measured for classification only, but task is regression"),
+    ({}, "eval/bits_per_byte", "eval/bits_per_byte is measured for language modeling only, but text_column is empty"),
+    ({"text_column": "text", "task": "classification"}, "eval/bits_per_byte", "language modeling only"),
+])
+def test_a_target_the_task_cannot_log_is_refused_from_the_fields_alone(fields, target, says):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(dataset_uri="/data", target_metric=target, target_value=0.5, eval_every=50, **fields)
+    assert err.value.field == "target_metric" and says in str(err.value)
+    assert "or target_metric=none" in str(err.value)
+
+
+@pytest.mark.parametrize("fields, target", [
+    ({"text_column": "text"}, "eval/accuracy"),  # a text classifier, when the table holds the label
+    ({"text_column": "text"}, "eval/bits_per_byte"), ({}, "eval/accuracy"), ({}, "eval/r2"),
+    ({"task": "regression"}, "eval/loss"), ({"text_column": "text"}, "eval/loss"),
+])
+def test_a_target_some_data_of_these_fields_logs_passes(fields, target):
+    TrainConfig(dataset_uri="/data", target_metric=target, target_value=0.5, eval_every=50, **fields)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from training.config.fields import ConfigError, check_fields, choices, from_strings, knob
 
 __all__ = ["ConfigError", "TrainConfig", "MODEL_KIND", "load_train_config", "check_path_part", "choices",
-           "higher_is_better", "metric_task"]
+           "higher_is_better", "metric_task", "check_target_task"]
 
 # Which dataset kind (dataset.json "kind") each built-in model reads; a factory reads any.
 MODEL_KIND = {"mlp": "tabular", "cnn": "images", "transformer": "tokens"}
@@ -44,6 +44,36 @@ def metric_task(metric: str) -> str | None:
     """The task that logs ``metric`` (None: every task logs it)."""
     return {"eval/accuracy": "classification", "eval/r2": "regression", "eval/rmse": "regression",
             "eval/perplexity": "language_modeling", "eval/bits_per_byte": "language_modeling"}.get(metric)
+
+
+# What each task's evaluation logs besides eval/loss (which every task logs): the fix of a mismatch.
+TASK_METRICS = {"classification": "eval/accuracy", "regression": "eval/r2 or eval/rmse",
+                "language_modeling": "eval/bits_per_byte or eval/perplexity"}
+
+
+def check_target_task(target_metric: str, *, task: str = "auto", text_column: str | None = None,
+                      data_task: str | None = None) -> None:
+    """The target metric must be one the run's task logs: ``data_task`` when the data's task is
+    known, else as far as the fields tell (text is a language model or a text classifier, a table of
+    numbers a classifier or a regressor, ``task`` when it is not auto). Raises ``ConfigError`` on
+    ``target_metric`` before any data is read or rank started."""
+    wanted = metric_task(target_metric)
+    if wanted is None:
+        return
+    if data_task is not None:
+        possible, why = {data_task}, f"the data trains {data_task.replace('_', ' ')}"
+    elif text_column:
+        possible = {"classification"} if task == "classification" else {"classification", "language_modeling"}
+        why = (f"text_column is {text_column!r}: a language model, or a text classifier when the table also "
+               "holds label_column")
+    elif task in ("classification", "regression"):
+        possible, why = {task}, f"task is {task}"
+    else:
+        possible, why = {"classification", "regression"}, "text_column is empty: a table of numbers"
+    if wanted not in possible:
+        metrics = " / ".join(TASK_METRICS[t] for t in sorted(possible))
+        raise ConfigError("target_metric", f"{target_metric} is measured for {wanted.replace('_', ' ')} only, but {why}",
+                          f"use {metrics} (or eval/loss, which every task logs), or target_metric=none")
 
 
 @dataclass(kw_only=True)
@@ -225,11 +255,7 @@ class TrainConfig:
         if kind is not None and kind != meta.get("kind"):
             raise ConfigError("model", f"{self.model} reads {kind} data but {self.dataset_uri} holds "
                               f"{meta.get('kind')} data", f"use a {kind} dataset or another model")
-        task = meta.get("task", "classification")
-        wanted = metric_task(self.target_metric)
-        if self.has_target and wanted is not None and wanted != task:
-            raise ConfigError("target_metric", f"{self.target_metric} is not measured for {task}",
-                              "use eval/loss, or eval/r2 / eval/rmse for regression and eval/accuracy for classification")
+        check_target_task(self.target_metric, data_task=meta.get("task", "classification"))
 
     def check_device(self, cuda: bool) -> None:
         """Rules that depend on the hardware the ranks run on."""
@@ -289,6 +315,7 @@ def check_rules(cfg: TrainConfig) -> None:
         if cfg.target_metric in ("eval/accuracy", "eval/r2") and not 0.0 < cfg.target_value <= 1.0:
             raise ConfigError("target_value", f"{cfg.target_value!r} is not a reachable {cfg.target_metric}",
                               "use a value in (0, 1], e.g. 0.8")
+        check_target_task(cfg.target_metric, task=cfg.task, text_column=cfg.text_column)
     if cfg.text_column:
         check_tokenizer(cfg.tokenizer or "")
     elif cfg.tokenizer:
