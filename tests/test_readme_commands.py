@@ -273,6 +273,8 @@ def test_a_benchmark_sweep(checkout):
 
 
 @pytest.mark.slow
+@pytest.mark.budget(360, reason="four README commands in a row: make text, validate it, a full DAG run of a "
+                                 "transformer on it, then a fine-tune")
 def test_a_language_model_on_your_text(checkout):
     made, validated, trained, tuned = (run(checkout, command).stdout for command in TEXT_LM)
     assert '"kind": "text"' in made and '"success": true' in validated, validated[-2000:]

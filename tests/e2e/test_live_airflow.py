@@ -56,6 +56,8 @@ def test_invalid_conf_is_refused_with_400_and_no_run(live_airflow):
     assert len(af.runs(TRAIN)) == before, "a refused trigger creates no DAG run"
 
 
+@pytest.mark.budget(420, reason="the first to wait for the session's DAG runs, which start together in live_runs "
+                                 "and share two cores")
 def test_rest_trigger_runs_and_xcom_names_the_mlflow_run(live_airflow, started):
     af, run_id = live_airflow, started["rest"]
     run = af.wait_for_run(TRAIN, run_id, timeout=900)
@@ -109,6 +111,7 @@ def test_new_data_starts_a_training_run_on_that_data(live_airflow, started):
     started["asset_run"] = run_id
 
 
+@pytest.mark.budget(300, reason="evaluate, register and report run again on the live stack")
 def test_cleared_task_reruns_into_the_same_mlflow_run(live_airflow, started):
     af, run_id = live_airflow, started["rest"]
     assert af.wait_for_run(TRAIN, run_id, timeout=900)["state"] == "success"

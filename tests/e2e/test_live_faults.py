@@ -112,6 +112,7 @@ def _check_recovered(af, run_id: str, run_dir: Path, committed: Path, tries: int
     assert sha(committed) == sha(ref / "ck")
 
 
+@pytest.mark.budget(360, reason="a DAG run whose worker is killed after a checkpoint, then the retry that resumes it")
 def test_a_lost_worker_is_retried_and_resumes_from_its_checkpoint(live_airflow, dataset, tmp_root):
     af = live_airflow
     run_id, run_dir, committed = _start(af, dataset, tmp_root, "live-lost-worker")

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.slow
 TRAIN, RUNS, STEPS = "distributed_training", 5, 60
 
 
+@pytest.mark.budget(480, reason="five full DAG runs at once on the live stack, the point of the test")
 def test_five_runs_at_once_all_succeed_with_complete_records(live_airflow, dataset, tmp_root):
     af = live_airflow
     af.wait_for_dags(TRAIN)

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.budget(420, reason="three minutes of training are what it watches for growth and drift")
 def test_three_minutes_of_training_neither_grow_nor_drift(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "3",
                           "--checkpoint-every-s", "20", "--sample-s", "5", "--check", "--out", str(tmp_path)],
