@@ -17,7 +17,7 @@ WITH_ENV := $(BIN)/python scripts/project_env.py
 help:
 	@echo "make demo         install (first time), make data, run one full DAG run, print where to look"
 	@echo "make test         install (first time) and run the test suite"
-	@echo "make test-fast    the tests not marked slow (a few minutes)"
+	@echo "make test-fast    the loop while editing: unit and contract tests, no Python child process but one torchrun (< 4 min)"
 	@echo "make airflow-up   start the Airflow web UI + scheduler on 127.0.0.1:8080 (admin password printed)"
 	@echo "make airflow-down stop them"
 	@echo "make mlflow-ui    MLflow UI on 127.0.0.1:5000 over the project's tracking store"
@@ -47,9 +47,11 @@ PYTEST_WORKERS ?= 3
 test: $(STAMP) chromium podman prometheus
 	$(WITH_ENV) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=30
 
-# The tests not marked slow (no live Airflow, no full DAG runs): a few minutes, for a quick check.
-test-fast: $(STAMP)
-	$(WITH_ENV) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
+# The loop to run while editing: every test not marked slow. TEST_CHILD_PROCESSES=refuse (tests/processes.py)
+# fails a test here that starts a Python process (a server, a script, torchrun), except the one marked
+# smoke_torchrun, so the loop stays under four minutes. Mark a test that needs one slow.
+test-fast: $(STAMP) prometheus
+	TEST_CHILD_PROCESSES=refuse $(WITH_ENV) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" --durations=15
 
 # The web-UI test drives Debian's chromium headless. Installed here when missing and we may.
 chromium:

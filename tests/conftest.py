@@ -136,22 +136,35 @@ def airflow_db() -> None:
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, stdout=subprocess.DEVNULL)
 
 
-@pytest.fixture
-def s3_server():
-    """moto's S3 server as a real process on 127.0.0.1 (real HTTP, real boto3 client).
+@pytest.fixture(scope="session")
+def _moto_endpoint():
+    """moto's S3 server on 127.0.0.1, once per test process: a thread of this process serving real
+    HTTP (``ThreadedMotoServer``), so no test pays a server's start-up and make test-fast starts no
+    process for it. Fault tests that kill the server start their own (test_storage_faults.py)."""
+    from moto.server import ThreadedMotoServer
 
-    Yields a dict with the endpoint and a ``stop()`` for fault-injection tests."""
-    port = free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    old = os.environ.get("AWS_ENDPOINT_URL")
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
     try:
-        wait_for_port(port)
-        yield {"endpoint": endpoint, "process": proc}
+        yield f"http://{host}:{port}"
     finally:
-        stop_process(proc, 10)
+        server.stop()
+
+
+@pytest.fixture
+def s3_server(_moto_endpoint):
+    """An empty S3 API over HTTP on 127.0.0.1 (moto; a real boto3 client reaches it), as
+    ``AWS_ENDPOINT_URL`` for the test and the processes it starts. Yields ``{"endpoint": url}``."""
+    import urllib.request
+
+    # moto's own reset: every bucket and object of the tests before is gone.
+    urllib.request.urlopen(urllib.request.Request(f"{_moto_endpoint}/moto-api/reset", method="POST"), timeout=30).close()
+    old = os.environ.get("AWS_ENDPOINT_URL")
+    os.environ["AWS_ENDPOINT_URL"] = _moto_endpoint
+    try:
+        yield {"endpoint": _moto_endpoint}
+    finally:
         if old is None:
             os.environ.pop("AWS_ENDPOINT_URL", None)
         else:

@@ -19,42 +19,53 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 FIXED_CHOICES = ("strategy", "precision", "comm_hook", "backend", "runtime", "task", "gate_metric")
 
+def summarize(dag_folder: str) -> dict:
+    """What these tests check of each DAG Airflow parses from ``dag_folder``, as JSON would carry it."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=dag_folder)
+    out = {"errors": {k: str(v) for k, v in bag.import_errors.items()}, "dags": {}}
+    for dag_id, dag in bag.dags.items():
+        params = {}
+        for name in dag.params:
+            p = dag.params.get_param(name)
+            try:
+                p.resolve(suppress_exception=False)
+                error = None
+            except Exception as e:
+                error = str(e)
+            params[name] = {"schema": p.schema, "description": p.description, "default": p.value, "error": error}
+        cond = getattr(dag.timetable, "asset_condition", None)
+        out["dags"][dag_id] = {
+            "params": params, "timetable": type(dag.timetable).__name__,
+            "summary": getattr(dag.timetable, "expression", None),
+            "catchup": dag.catchup, "max_active_runs": dag.max_active_runs,
+            "schedule_assets": sorted(a.name for a in getattr(cond, "objects", ())),
+            "outlets": sorted(o.name for t in dag.tasks for o in t.outlets),
+        }
+    return json.loads(json.dumps(out, default=str))
+
+
+# A fresh interpreter for the tests that change the environment the DAG files read when parsed.
 PROBE = r"""
 import json, sys
-from airflow.dag_processing.dagbag import DagBag
-bag = DagBag(dag_folder=sys.argv[1])
-out = {"errors": {k: str(v) for k, v in bag.import_errors.items()}, "dags": {}}
-for dag_id, dag in bag.dags.items():
-    params = {}
-    for name in dag.params:
-        p = dag.params.get_param(name)
-        try:
-            p.resolve(suppress_exception=False)
-            error = None
-        except Exception as e:
-            error = str(e)
-        params[name] = {"schema": p.schema, "description": p.description, "default": p.value, "error": error}
-    cond = getattr(dag.timetable, "asset_condition", None)
-    out["dags"][dag_id] = {
-        "params": params, "timetable": type(dag.timetable).__name__, "summary": getattr(dag.timetable, "expression", None),
-        "catchup": dag.catchup, "max_active_runs": dag.max_active_runs,
-        "schedule_assets": sorted(a.name for a in getattr(cond, "objects", ())),
-        "outlets": sorted(o.name for t in dag.tasks for o in t.outlets),
-    }
-print(json.dumps(out, default=str))
+sys.path.insert(0, sys.argv[2])
+from tests.dags.test_forms import summarize
+print(json.dumps(summarize(sys.argv[1])))
 """
 
 
 def parse_dags(**env: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE, str(ROOT / "dags")], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, **env})
+    out = subprocess.run([sys.executable, "-c", PROBE, str(ROOT / "dags"), str(ROOT)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, **env})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def parsed() -> dict:
-    result = parse_dags()
+    """The DAG folder parsed in this process, under the environment the suite runs with."""
+    result = summarize(str(ROOT / "dags"))
     assert result["errors"] == {}
     return result
 
@@ -107,6 +118,7 @@ def test_default_schedule_is_nightly_without_catchup(parsed):
     assert dag["catchup"] is False and dag["max_active_runs"] == 1
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_schedule_follows_training_schedule():
     dags = parse_dags(TRAINING_SCHEDULE="*/30 6-18 * * 1-5")["dags"]
     assert dags["distributed_training"]["summary"] == "*/30 6-18 * * 1-5"
@@ -116,6 +128,7 @@ def test_schedule_follows_training_schedule():
     assert "TRAINING_SCHEDULE='every night' is not a cron expression" in error
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_the_deployment_policy_is_read_when_the_dags_are_parsed(tmp_path):
     """The form offers the policy's runtimes and its ceilings as maxima; a broken policy file is an
     import error naming the file and the key (training_airflow/policy.py)."""

@@ -105,6 +105,7 @@ def test_everything_else_passes_through_untouched():
         assert (status, reached) == (200, [body]), (path, method, body)
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_the_plugin_registers_the_middleware():
     code = ("import json, sys; sys.path.insert(0, 'plugins'); import training_links as p; "
             "print(json.dumps([m['middleware'].__name__ for m in p.TrainingLinks.fastapi_root_middlewares]))")
@@ -116,6 +117,7 @@ def test_the_plugin_registers_the_middleware():
 # --------------------------------------------------------------------------- the demo and open_run
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_the_demo_refuses_an_unknown_set_before_anything_runs(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "AIRFLOW_HOME": str(tmp_path / "airflow"),
            "TRAINING_VAR_DIR": str(tmp_path / "var")}

@@ -7,12 +7,14 @@ import json
 import logging
 import shutil
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import run_torchrun
 from training.checkpoint.commit import EVAL_FILE, upload_checkpoint
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_evaluate_task_falls_back_and_says_so(dataset, tmp_path, capfd, caplog):
     caplog.set_level(logging.WARNING, logger="training_airflow.tasks")
     out = run_torchrun(1, [f"dataset_uri={dataset}", f"checkpoint_dir={tmp_path / 'ckpt'}", "steps=5",

@@ -349,6 +349,7 @@ def test_security_context(built):
             assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/tmp"}, "a writable /tmp on a read-only root"
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_the_init_container_runs_the_trainers_config_check_with_the_same_config(built, tmp_path):
     """`train --print-config` with the pods' arguments succeeds, and bad input exits with the
     code the FailJob rule matches (run for real: the same CLI the image runs)."""
@@ -424,6 +425,7 @@ def test_a_text_run_reads_the_token_windows_the_tokenize_task_wrote(kubeconfig, 
     assert f"token_shards={shards}" in init["command"], "the pre-start check reads the same windows"
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_the_init_container_checks_the_store_with_the_pods_secret(in_store, s3_server, tmp_path):
     """In the store case `check-config` also lists and writes the run's place in the bucket, with
     the same Secret as the ranks: a missing bucket fails the Job at once (exit code 2, FailJob)."""

@@ -9,11 +9,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 HEAVY = ("mlflow", "torch", "great_expectations", "boto3", "pandas", "pyarrow")
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_the_plugin_registers_the_mlflow_link_and_imports_nothing_heavy():
     code = ("import json, sys; sys.path.insert(0, 'plugins'); import training_links as p; "
             "print(json.dumps({'links': [l.name for l in p.TrainingLinks.global_operator_extra_links], "

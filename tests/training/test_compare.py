@@ -65,6 +65,7 @@ def test_scaling_efficiency_is_per_rank_throughput_over_one_rank(experiment):
     assert fsdp["efficiency"] != fsdp["efficiency"], "no baseline: efficiency is NaN, not a made-up number"
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_report_files_and_table_rows(experiment, tmp_path):
     client, name, exp_id = experiment
     old = _log_run(client, exp_id, world_size=1, samples_per_s=1000.0, run_name="old")
@@ -95,6 +96,7 @@ def test_report_files_and_table_rows(experiment, tmp_path):
     assert a in html and b in html and '<img src="scaling.png"' in html
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_unknown_experiment_is_bad_input(tmp_path):
     result = subprocess.run([sys.executable, "-m", "training", "compare", "--experiment", "no-such-experiment",
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)

@@ -109,6 +109,7 @@ def _open_counting(root: str) -> int:
     return u.digest_counts["hashed"]
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_ranks_opening_at_once_hash_each_file_once(data):
     with multiprocessing.get_context("spawn").Pool(4) as pool:
         hashed = pool.map(_open_counting, [str(data)] * 4)

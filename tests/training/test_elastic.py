@@ -106,6 +106,7 @@ def test_sigterm_during_the_rendezvous_exits_143_at_once(dataset, tmp_path):
     assert "elastic: stopped by SIGTERM before the ranks could checkpoint" in out
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_bad_input_in_every_rank_exits_2(dataset, tmp_path):
     proc = _launch(_sets(dataset, tmp_path, lr=-1))
     out, _ = proc.communicate(timeout=180)

@@ -143,6 +143,7 @@ def _ranks(uri: str, out: str) -> None:
     parallel.release()
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_two_ranks_stream_only_their_share_and_get_the_in_memory_figures(lm, tmp_path):
     from tests.conftest import free_port  # here: the measured programs below need none of conftest's imports
 
@@ -217,6 +218,7 @@ def _memory(uri: str, mode: str) -> None:
     print(json.dumps({"grew": grew, "bytes": (ds.folder / "validation.npy").stat().st_size, "figures": got}))
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_evaluation_memory_does_not_grow_with_the_validation_split(classes, tmp_path):
     """Validation shards of ~1 MiB and ~20 MiB (uint16 ids: ~100 MiB as the int64 rows a whole
     split in memory would be): evaluating either grows the peak resident set by far less than

@@ -105,6 +105,7 @@ print(grown, out.double().sum().item())
 """
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_an_exported_model_is_loaded_from_the_mapped_file_without_a_copy(tmp_path, group):
     """Scoring a champion, serving, generating: the weights are the file's pages, not a second copy
     in the process's memory (before: the model built with its own weights, then the file's copied in)."""
@@ -146,6 +147,7 @@ def full_tensor(name: str, shape) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(sum(map(ord, name))))
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_export_of_a_checkpoint_written_by_two_ranks_has_the_old_bytes(tmp_path):
     import torch.multiprocessing as mp
 

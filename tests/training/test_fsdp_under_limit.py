@@ -70,6 +70,7 @@ def test_a_decoder_larger_than_a_nodes_limit_trains_with_fsdp_on_two_nodes(tmp_p
     assert manifest["step"] == 2 and manifest["world_size"] == 2
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 @pytest.mark.skipif(not memlimit.available(), reason="needs root and the cgroup v1 memory controller")
 def test_the_limit_is_enforced():
     """A process past its group's limit is killed by the kernel: the limit above is a real one."""

@@ -190,6 +190,7 @@ def _cli(*args, env=None):
                           env=env)
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_cli_refuses_bad_input_with_exit_2_before_anything_starts(tmp_path):
     uri = _bad_table(tmp_path, lambda df: df.rename(columns={"target": "cultivar"}))
     out = _cli("train", "--set", f"dataset_uri={uri}", "--set", "label_column=target",
@@ -201,6 +202,7 @@ def test_cli_refuses_bad_input_with_exit_2_before_anything_starts(tmp_path):
     assert gate.returncode == 2 and "  - config field 'label_column': 'target' is not a column" in gate.stderr
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_describe_data_pins_the_schema_and_the_gate_uses_it(wine, tmp_path):
     out = _cli("describe-data", str(wine), "--label-column", "target")
     assert out.returncode == 0, out.stderr

@@ -45,6 +45,7 @@ def _register(name: str, folder, rows, **kwargs):
     return run_id, result
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 @pytest.mark.parametrize("task", ["classification", "regression"])
 def test_a_model_over_the_bound_is_registered_from_its_folder(dataset, tmp_path, task):
     meta = {**read_meta(dataset), "task": task, "normalize": True}

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import ROOT
@@ -44,6 +45,7 @@ def _run_rank0(run_id: str) -> list[str]:
     return out.stdout.splitlines()
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_relayed_calls_reach_the_run_as_direct_logging_would(tmp_path):
     client = MlflowClient()
     exp = client.get_experiment_by_name("test-relay") or client.get_experiment(client.create_experiment("test-relay"))
@@ -70,6 +72,7 @@ def test_relayed_calls_reach_the_run_as_direct_logging_would(tmp_path):
     assert any(k.startswith("system/") for k in run.data.metrics), "the receiver samples the system metrics"
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_without_the_relay_rank0_logs_directly():
     env = {**os.environ, "MLFLOW_RUN_ID": "anything", "PYTHONPATH": str(ROOT)}
     env.pop(RELAY_ENV, None)

@@ -190,6 +190,7 @@ def test_sigkill_resume_is_bit_identical_with_a_user_factory(user_table, tmp_pat
     assert config["model"] == "resmlp:residual_mlp" and len(config["normalization"]["mean"]) == 16
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_bf16_hook_on_cpu_is_refused_before_any_process_group(dataset, tmp_path):
     proc = run_torchrun(2, _sets(dataset, tmp_path, "ddp", "fp32", comm_hook="bf16"))
     assert proc.returncode != 0
@@ -198,6 +199,7 @@ def test_bf16_hook_on_cpu_is_refused_before_any_process_group(dataset, tmp_path)
     assert not (tmp_path / "ck").exists()
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_model_and_dataset_kind_must_match(dataset, tmp_path):
     proc = run_torchrun(1, _sets(dataset, tmp_path, "ddp", "fp32", model="transformer"))
     assert proc.returncode != 0
@@ -483,6 +485,7 @@ def test_store_dies_during_a_periodic_save_fails_the_run_and_keeps_what_was_comm
     assert _stored_sha(s3, "team/e/r") == _sha(_final_model(baselines[("ddp", "fp32")][0]))
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_a_missing_or_forbidden_bucket_is_refused_before_any_rank_starts(dataset, tmp_path, s3_server, monkeypatch):
     _s3(s3_server)
     sets = [s.replace(f"s3://{BUCKET}/", "s3://nope/") for s in _store_sets(dataset, tmp_path, "x/r")]

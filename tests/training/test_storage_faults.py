@@ -17,9 +17,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import boto3
 import pytest
+import requests
 
 from tests.conftest import free_port, local_checkpoint, wait_for_port
 from training.config.fields import ConfigError
@@ -68,12 +70,22 @@ def fast_retries(monkeypatch):
 
 
 @pytest.fixture
-def moto(tmp_path, monkeypatch, fast_retries):
+def moto_process(tmp_path, monkeypatch, fast_retries):
+    """A server of the test's own, to kill or stop mid-upload."""
     server = Moto(tmp_path)
     monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
     server.client().create_bucket(Bucket="ckpt")
     yield server
     server.stop()
+
+
+@pytest.fixture
+def moto(s3_server, fast_retries):
+    """The session's S3 server (emptied for the test), with the bucket ``ckpt``."""
+    server = SimpleNamespace(endpoint=s3_server["endpoint"],
+                             client=lambda: boto3.client("s3", endpoint_url=s3_server["endpoint"]))
+    server.client().create_bucket(Bucket="ckpt")
+    return server
 
 
 def _checkpoint(root: Path, step: int, *, big_mb: int = 0, payload: bytes = b"w") -> Path:
@@ -107,7 +119,9 @@ def slow_parts(monkeypatch):
     monkeypatch.setenv("TRAINING_S3_CONCURRENCY", "1")
 
 
-def test_server_killed_mid_multipart_upload(moto, tmp_path, slow_parts, monkeypatch):
+@pytest.mark.slow  # a server process of its own, killed
+def test_server_killed_mid_multipart_upload(moto_process, tmp_path, slow_parts, monkeypatch):
+    moto = moto_process
     upload_checkpoint(_checkpoint(tmp_path / "l", 100), STORE, experiment="e", run_id="r")
     big = _checkpoint(tmp_path / "l", 200, big_mb=40)
 
@@ -147,8 +161,10 @@ def test_server_killed_mid_multipart_upload(moto, tmp_path, slow_parts, monkeypa
         again.stop()
 
 
-def test_server_stalled_mid_multipart_upload_keeps_latest_on_the_good_checkpoint(moto, tmp_path, slow_parts):
+@pytest.mark.slow  # a server process of its own, stopped
+def test_server_stalled_mid_multipart_upload_keeps_latest_on_the_good_checkpoint(moto_process, tmp_path, slow_parts):
     """SIGSTOP instead of a kill: the server keeps its data, so we can look at what survived."""
+    moto = moto_process
     upload_checkpoint(_checkpoint(tmp_path / "l", 100), STORE, experiment="e", run_id="r")
     big = _checkpoint(tmp_path / "l", 200, big_mb=40)
 
@@ -265,18 +281,19 @@ def test_missing_bucket(moto, tmp_path):
         upload_checkpoint(_checkpoint(tmp_path / "l", 1), "s3://nope/x", experiment="e", run_id="r")
 
 
-def test_access_denied(tmp_path, monkeypatch, fast_retries):
-    # moto enforces IAM once INITIAL_NO_AUTH_ACTION_COUNT requests are used up: with 0, our
-    # made-up key is refused like a revoked one on a real endpoint.
-    server = Moto(tmp_path, env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+def test_access_denied(s3_server, tmp_path, monkeypatch, fast_retries):
+    # moto enforces IAM once the no-auth request count set through /moto-api/reset-auth is used up:
+    # with 0, our made-up key is refused like a revoked one on a real endpoint.
+    endpoint = s3_server["endpoint"]
+    requests.post(f"{endpoint}/moto-api/reset-auth", data="0", timeout=10).raise_for_status()
     try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
         with pytest.raises(StoreError) as err:
             upload_checkpoint(_checkpoint(tmp_path / "l", 1), STORE, experiment="e", run_id="r")
     finally:
-        server.stop()
+        requests.post(f"{endpoint}/moto-api/reset-auth", data="inf", timeout=10).raise_for_status()
     msg = str(err.value)
-    assert msg.startswith(f"access denied to s3://ckpt at {server.endpoint}") and "InvalidAccessKeyId" in msg
+    assert msg.startswith(f"access denied to s3://ckpt at {endpoint}") and "InvalidAccessKeyId" in msg
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in msg
 
 

@@ -3,6 +3,7 @@
 import json
 import re
 
+import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import run_torchrun
@@ -12,6 +13,7 @@ def _torchrun(nproc, *sets, timeout=240):
     return run_torchrun(nproc, list(sets), timeout=timeout)
 
 
+@pytest.mark.smoke_torchrun  # make test-fast's one torchrun (tests/processes.py)
 def test_two_ranks_stay_identical_after_every_step(dataset, tmp_path):
     steps = 12
     out = _torchrun(2, f"dataset_uri={dataset}", f"checkpoint_dir={tmp_path / 'ck'}", f"output_dir={tmp_path / 'out'}",
@@ -36,6 +38,7 @@ def test_two_ranks_stay_identical_after_every_step(dataset, tmp_path):
     assert summary["final_step"] == steps and summary["world_size"] == 2
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_bad_config_exits_before_any_process_group(dataset, tmp_path):
     out = _torchrun(2, f"dataset_uri={dataset}", f"checkpoint_dir={tmp_path}", "batch_size=33")
     assert out.returncode != 0

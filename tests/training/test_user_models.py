@@ -168,6 +168,7 @@ def test_fsdp_shards_a_large_embedding_and_head_apart_from_the_root_unless_tied(
     assert (counted.largest_unit_numel, counted.root_numel) == (vocab * 64, 64)
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_cli_refuses_a_broken_factory_with_exit_2_before_any_rank(user_code, tables, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user_code), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-m", "training", "train", "--set", f"dataset_uri={tables / 'classes.parquet'}",
@@ -180,6 +181,7 @@ def test_cli_refuses_a_broken_factory_with_exit_2_before_any_rank(user_code, tab
     assert not (tmp_path / "ck").exists()
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_a_trained_factory_model_is_rebuilt_from_its_config(user_code, tables, tmp_path):
     """One rank, a few steps: model_config.json names the factory and its arguments and holds the
     data transform; rebuilding from it (no pickle) predicts what the trainer's model predicted."""

@@ -236,6 +236,7 @@ def test_data_docs_are_built_with_gx(clean, tmp_path):
     assert "f1" in train_page and "values must never be null" in train_page.lower()
 
 
+@pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_cli_uses_the_schema_minimum_and_builds_docs(clean, tmp_path):
     """`python -m training validate`: exit 2 with one line per problem; the schema's min_rows holds
     unless --min-rows overrides it; --docs-dir writes GX Data Docs."""
