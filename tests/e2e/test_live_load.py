@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 
 pytestmark = pytest.mark.slow
 
-TRAIN, RUNS, STEPS = "distributed_training", 5, 60
+TRAIN, RUNS, STEPS = "distributed_training", 5, 30
 
 
 @pytest.mark.budget(480, reason="five full DAG runs at once on the live stack, the point of the test")
@@ -22,7 +22,7 @@ def test_five_runs_at_once_all_succeed_with_complete_records(live_airflow, datas
     parts = {part: af.home / f"{part}.log" for part in ("scheduler", "api-server")}
     start = {part: path.stat().st_size if path.exists() else 0 for part, path in parts.items()}
     base = {"dataset_uri": str(dataset), "experiment": "live-load", "world_size": 2, "steps": STEPS,
-            "checkpoint_every": 30, "eval_every": 30, "store_uri": (tmp_root / "load-store").as_uri()}
+            "checkpoint_every": 15, "eval_every": 15, "store_uri": (tmp_root / "load-store").as_uri()}
     run_ids = []
     for seed in range(RUNS):  # different Params: a seed each
         run_ids.append(af.trigger(TRAIN, {**base, "seed": seed}))
