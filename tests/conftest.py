@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "plugins"))
 # the session's live Airflow stack (the modules whose tests take ``live_airflow`` or ``live_runs``;
 # test_live_policy.py starts an Airflow of its own and runs beside them), the container engine with
 # the image it builds, and a module's fixture of module scope (trained runs that several tests
-# read). Every other test goes to whichever worker is free; the longest single test (the 3-minute
+# read). Every other test goes to whichever worker is free; the longest single test (the 2-minute
 # soak) starts first rather than last. Written here rather than with xdist's own `xdist_group`
 # marker, which pytest-xdist 3.8 applies through a node attribute that pytest 9 no longer reads.
 CONTAINER_MODULES = ("test_images.py", "test_pods.py")
