@@ -2,7 +2,7 @@
 outside. Checks that nothing grows or drifts with time.
 
     .venv/bin/python benchmarks/soak.py --minutes 60                 # the full soak (figures in docs/benchmarks.md)
-    .venv/bin/python benchmarks/soak.py --minutes 3 --check          # the CI version: exit 1 when a check fails
+    .venv/bin/python benchmarks/soak.py --minutes 2 --pace-ms 5 --check   # the CI version: exit 1 when a check fails
 
 A real `torchrun` group (2 gloo ranks on loopback) trains the MLP on the teacher data with
 `checkpoint_every` set from a short calibration run so that checkpoints come about every
@@ -24,6 +24,13 @@ agree on a step, checkpoint it and exit 75), then prints the figures and checks:
   the same process's CPU time per step went from 4.2 to 7.5 ms without anything having grown
   (docs/benchmarks.md). Early and late medians of the soaked run are printed too;
 - MLflow: `train/loss` has exactly one point per log interval up to the last step.
+
+`--pace-ms D` makes every step's gradient all-reduce complete D ms later (the trainer's
+`TRAINING_FAULT_COMM_DELAY_MS`, a sleep where the collective completes): the ranks then sleep most
+of each step instead of keeping two cores busy, and the test suite's soak (tests/e2e/test_soak.py)
+leaves the CPUs to the tests beside it. The calibration, the run and the twin run at the same
+pace, so checkpoints still come every `--checkpoint-every-s` and CPU time per step is compared like
+for like; the checks read time and CPU per step, which pacing leaves meaningful.
 """
 
 from __future__ import annotations
@@ -119,12 +126,16 @@ def main() -> int:
                    help="allowed excess of the soaked ranks' CPU time per step over the fresh twin's")
     p.add_argument("--twin-s", type=float, default=None,
                    help="how long the fresh twin runs at the end (default: a tenth of the soak, 40-120 s)")
+    p.add_argument("--pace-ms", type=float, default=0,
+                   help="each step's gradient all-reduce completes this much later: the ranks sleep, not spin")
     p.add_argument("--check", action="store_true", help="exit 1 when a check fails")
     p.add_argument("--out", default=None, help="working folder (default: a temporary one)")
     a = p.parse_args()
     work = Path(a.out or tempfile.mkdtemp(prefix="soak-"))
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
+    if a.pace_ms > 0:
+        env["TRAINING_FAULT_COMM_DELAY_MS"] = f"{a.pace_ms:g}"
     data = work / "data"
     if not (data / "dataset.json").exists():
         subprocess.run([sys.executable, "-m", "training", "make-data", "--out", str(data)], check=True, env=env,
@@ -162,7 +173,7 @@ def main() -> int:
     total_s = a.minutes * 60
     twin_s = a.twin_s if a.twin_s is not None else min(max(40.0, total_s / 10), 120.0)
     ck, out = work / "run" / "ck", work / "run" / "out"
-    print(f"soak: {a.minutes:g} min, step {1000 * step_s:.2f} ms (calibrated), checkpoint every {every} steps, "
+    print(f"soak: {a.minutes:g} min, step {1000 * step_s:.2f} ms (calibrated{f', paced {a.pace_ms:g} ms' if a.pace_ms else ''}), checkpoint every {every} steps, "
           f"keep last {a.keep_last}, a fresh twin for the last {twin_s:g} s; {work}", flush=True)
     agent, twin = launch("run", run_id), None
     samples = []  # the soaked run every sample_s; while the twin runs, each sample holds both
