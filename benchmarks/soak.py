@@ -173,7 +173,8 @@ def main() -> int:
     total_s = a.minutes * 60
     twin_s = a.twin_s if a.twin_s is not None else min(max(40.0, total_s / 10), 120.0)
     ck, out = work / "run" / "ck", work / "run" / "out"
-    print(f"soak: {a.minutes:g} min, step {1000 * step_s:.2f} ms (calibrated{f', paced {a.pace_ms:g} ms' if a.pace_ms else ''}), checkpoint every {every} steps, "
+    paced = f", paced {a.pace_ms:g} ms" if a.pace_ms else ""
+    print(f"soak: {a.minutes:g} min, step {1000 * step_s:.2f} ms (calibrated{paced}), checkpoint every {every} steps, "
           f"keep last {a.keep_last}, a fresh twin for the last {twin_s:g} s; {work}", flush=True)
     agent, twin = launch("run", run_id), None
     samples = []  # the soaked run every sample_s; while the twin runs, each sample holds both

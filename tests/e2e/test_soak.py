@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.budget(300, reason="two minutes of training are what it watches for growth and drift")
 def test_two_minutes_of_training_neither_grow_nor_drift(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "2",
-                          "--checkpoint-every-s", "15", "--sample-s", "4", "--pace-ms", "5", "--check", "--out", str(tmp_path)],
+                          "--checkpoint-every-s", "15", "--sample-s", "4", "--pace-ms", "5", "--check",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("ok  ") == 5
