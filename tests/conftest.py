@@ -18,7 +18,7 @@ from training.util import free_port, stop_process, wait_for_port  # noqa: F401 (
 
 # The per-test time budget (120 s unless a test says why it needs more), and the child processes
 # make test-fast may start (one small torchrun), and TEST_CPU_REPORT's CPU seconds per test.
-pytest_plugins = ["tests.budget", "tests.processes", "tests.cpu"]
+pytest_plugins = ["tests.cpu", "tests.budget", "tests.processes"]  # cpu first: budget imports it
 
 ROOT = Path(__file__).resolve().parents[1]
 _TMP = Path(tempfile.mkdtemp(prefix="dtp-tests-"))
