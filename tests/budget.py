@@ -6,9 +6,9 @@ test process, the processes it started and the live stack's processes did during
 (``tests/cpu.py``, ``cpu_seconds``). CPU seconds, not wall seconds, because wall time on this
 2-core machine grows with whatever runs beside the suite: with one core taken by another job, two
 tests within a wall budget in CI went over it (a fine-tune, 152 s against 120; the README's
-language model, 408 s against 360; 2026-12-06) while the work they did was the same. A test that waits (a sleep, a poll of a DAG run)
-costs little; a test that trains more steps, or more ranks, or starts more processes costs more,
-and that is the creep the budget catches. A session fixture that trains a checkpoint or starts the
+language model, 408 s against 360; 2026-12-06) while the work they did was the same. A test that
+waits (a sleep, a poll of a DAG run) costs little; a test that trains more steps, or more ranks,
+or starts more processes costs more, and that is the creep the budget catches. A session fixture that trains a checkpoint or starts the
 live Airflow is paid once, by whichever test comes first, and is bounded by the suite's total
 instead. A test that needs more says so and why::
 

@@ -16,7 +16,7 @@ import pytest
 from training.distributed.launch import torchrun_command
 from training.util import free_port, stop_process, wait_for_port  # noqa: F401 (tests import the first and last)
 
-# The per-test time budget (120 s unless a test says why it needs more), and the child processes
+# The per-test budget (120 CPU seconds unless a test says why it needs more), the child processes
 # make test-fast may start (one small torchrun), and TEST_CPU_REPORT's CPU seconds per test.
 pytest_plugins = ["tests.cpu", "tests.budget", "tests.processes"]  # cpu first: budget imports it
 
