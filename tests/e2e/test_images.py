@@ -52,7 +52,7 @@ def test_make_data_and_a_two_rank_torchrun_train(container_engine, training_imag
         "--entrypoint", "torchrun", training_image, "--standalone", "--nproc-per-node", "2", "-m", "training", "train",
         *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]])
     assert code == 0, out[-4000:]
-    assert "train: mlp/ddp/fp32 on 2 ranks, backend=gloo" in out and "train: done at step 20" in out
+    assert "train: mlp/ddp/fp32 on 2 ranks (ddp x2), backend=gloo" in out and "train: done at step 20" in out
     final = data_dir / "ck" / "step_00000020"
     assert {"manifest.json", "model.safetensors", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in final.iterdir()}
 

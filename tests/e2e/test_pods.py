@@ -85,7 +85,7 @@ def test_two_pods_rendezvous_train_commit_and_evaluate(pods_run):
     assert played.history == [], "no pod failed"
     pod0 = next(p for p in played.pods.values() if p.index == 0)
     log0 = pod0.logs()
-    assert "train: mlp/ddp/fp32 on 2 ranks, backend=gloo" in log0, log0[-3000:]
+    assert "train: mlp/ddp/fp32 on 2 ranks (ddp x2), backend=gloo" in log0, log0[-3000:]
     assert f"train: done at step {run.params['steps']}" in log0
 
     op = run.dag.task_dict["upload_on_kubernetes"]

@@ -200,6 +200,20 @@ def test_one_param_sets_the_preemption_window_of_every_layer(kubeconfig):
     assert (K.grace(params).pod_s, K.grace(params).agent_s, K.grace(params).rank_s) == (90, 85, 80)
 
 
+@pytest.mark.parametrize("overrides, mesh", [
+    ({"strategy": "fsdp"}, ("-1", "8")),  # 4 pods x 8 GPUs: shard within a pod, replicate across the pods
+    ({"strategy": "fsdp", "k8s_gpus_per_node": 0, "batch_size": 64}, ("1", "-1")),  # CPU pods of one rank: across
+    ({"strategy": "fsdp", "dp_replicate": -1, "dp_shard": 16}, ("-1", "16")),  # the user's own mesh is kept
+    ({"strategy": "fsdp", "k8s_nnodes": 1}, ("1", "-1")),  # one pod: plain FSDP over its GPUs
+    ({"strategy": "ddp"}, ("1", "-1")),
+])
+def test_multi_pod_fsdp_shards_within_a_pod_unless_told_otherwise(kubeconfig, overrides, mesh):
+    job, _ = build_job(kubeconfig, k8s_params(**overrides))
+    sets = dict(a.split("=", 1) for a in torchrun_args(job["spec"]["template"]["spec"]["containers"][0])
+                .training_script_args[2::2])
+    assert (sets["dp_replicate"], sets["dp_shard"]) == mesh
+
+
 def test_rendezvous_timeouts_come_from_one_param(kubeconfig):
     from torch.distributed.run import _parse_rendezvous_config
 

@@ -35,6 +35,34 @@ def test_batch_must_split_over_ranks():
         cfg.check_world_size(4)
 
 
+@pytest.mark.parametrize("replicate, shard, world, mesh", [(1, -1, 4, (1, 4)), (2, -1, 4, (2, 2)), (-1, 2, 8, (4, 2)),
+                                                           (2, 3, 6, (2, 3))])
+def test_the_hsdp_mesh_fills_in_a_minus_one_from_the_world_size(replicate, shard, world, mesh):
+    cfg = TrainConfig(dataset_uri="/d", strategy="fsdp", dp_replicate=replicate, dp_shard=shard, batch_size=48)
+    cfg.check_world_size(world)
+    assert cfg.mesh_shape(world) == mesh
+
+
+@pytest.mark.parametrize("sets, world, field, words", [
+    ({"dp_replicate": 3}, 4, "dp_replicate", "3 does not divide world_size=4. Fix: choose a divisor of 4, e.g. 2"),
+    ({"dp_replicate": 2, "dp_shard": 3}, 4, "dp_shard", "dp_replicate=2 x dp_shard=3 is 6, not world_size=4"),
+    ({"dp_replicate": -1}, 4, "dp_replicate", "is -1 and so is dp_shard"),
+])
+def test_hsdp_degrees_that_do_not_fit_the_world_are_refused(sets, world, field, words):
+    cfg = TrainConfig(dataset_uri="/d", strategy="fsdp", **sets)
+    with pytest.raises(ConfigError) as err:
+        cfg.check_world_size(world)
+    assert err.value.field == field and words in str(err.value)
+
+
+@pytest.mark.parametrize("sets, field", [({"dp_replicate": 2}, "dp_replicate"), ({"dp_shard": 2}, "dp_shard"),
+                                         ({"strategy": "fsdp", "dp_shard": 0}, "dp_shard")])
+def test_hsdp_degrees_need_fsdp_and_a_number_of_ranks(sets, field):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(dataset_uri="/d", **sets)
+    assert err.value.field == field and "Fix:" in str(err.value)
+
+
 def test_file_and_overrides(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"dataset_uri": "/d", "steps": 7}))

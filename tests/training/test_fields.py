@@ -33,7 +33,7 @@ def test_every_field_round_trips_through_set_arguments():
     values = {name: _other_value(spec) for name, spec in specs(TrainConfig).items()}
     values.update(dataset_uri="/data/x", strategy="ddp", precision="fp32", comm_hook="fp16", model="my_models.lm:build",
                   target_metric="eval/accuracy", target_value=0.5, eval_every=5,
-                  metrics_host="0.0.0.0")
+                  metrics_host="0.0.0.0", dp_replicate=1, dp_shard=-1)  # ddp (for comm_hook) has no mesh to shape
     args = set_args(TrainConfig, values)
     cfg = load_train_config(None, [a for a in args if a != "--set"])
     assert cfg.to_dict() == {**TrainConfig(dataset_uri="x").to_dict(), **values}

@@ -122,6 +122,13 @@ class TrainConfig:
     strategy: Literal["ddp", "fsdp"] = knob(
         "ddp", "ddp: a replica per rank, bucketed all-reduce overlapped with backward; fsdp: FSDP2 fully_shard per "
         "block (parameters, gradients and optimizer state sharded)", title="Strategy", tag=True)
+    dp_replicate: int = knob(
+        1, "fsdp: data-parallel replicas, each of dp_shard ranks (HSDP: shards within a group of consecutive ranks, "
+        "one node's, and gradients all-reduced across the groups); 1: plain FSDP over every rank; -1: world size / "
+        "dp_shard", title="Replicas (HSDP)", minimum=-1, maximum=65_536, section=ADVANCED)
+    dp_shard: int = knob(
+        -1, "fsdp: ranks one copy of the model is sharded over; -1: world size / dp_replicate (every rank with "
+        "dp_replicate=1)", title="Shard group size (HSDP)", minimum=-1, maximum=65_536, section=ADVANCED)
     precision: Literal["fp32", "bf16", "fp16"] = knob(
         "fp32", "fp32; bf16 (autocast, or FSDP2 mixed precision); fp16 (autocast + dynamic loss scaling, ddp only)",
         title="Precision", tag=True)
@@ -236,9 +243,29 @@ class TrainConfig:
         check_fields(self)
         check_rules(self)
 
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard) on ``world_size`` ranks, a -1 filled in from the other: the data-parallel
+        mesh, rows of consecutive ranks (a node's) sharing one sharded copy. Raises ``ConfigError`` naming
+        the field when the degrees do not multiply to the world size."""
+        rep, shard = self.dp_replicate, self.dp_shard
+        if rep == -1 and shard == -1:
+            raise ConfigError("dp_replicate", "is -1 and so is dp_shard", "set one of them to a number of ranks; -1 fills in the other")
+        if rep == -1 or shard == -1:
+            known, field = (shard, "dp_shard") if rep == -1 else (rep, "dp_replicate")
+            if world_size % known:
+                raise ConfigError(field, f"{known} does not divide world_size={world_size}",
+                                  f"choose a divisor of {world_size}, e.g. {_divisor_near(world_size, known)}")
+            rep, shard = (world_size // known, known) if rep == -1 else (known, world_size // known)
+        if rep * shard != world_size:
+            raise ConfigError("dp_shard", f"dp_replicate={rep} x dp_shard={shard} is {rep * shard}, not world_size="
+                              f"{world_size}", f"make their product {world_size}, or set dp_shard=-1 to fill it in")
+        return rep, shard
+
     def check_world_size(self, world_size: int) -> None:
-        """Cross-field rule that needs the launch size: the global batch splits evenly into
-        ``world_size`` ranks times ``grad_accum`` micro-batches."""
+        """Cross-field rules that need the launch size: the data-parallel degrees multiply to it
+        (``mesh_shape``), and the global batch splits evenly into ``world_size`` ranks times
+        ``grad_accum`` micro-batches."""
+        self.mesh_shape(world_size)
         if self.batch_size % (world_size * self.grad_accum):
             raise ConfigError(
                 "batch_size",
@@ -294,6 +321,14 @@ def check_rules(cfg: TrainConfig) -> None:
     if cfg.comm_hook != "none" and cfg.strategy != "ddp":
         raise ConfigError("comm_hook", f"{cfg.comm_hook!r} compresses DDP gradients but strategy is {cfg.strategy!r}",
                           "use comm_hook=none with fsdp (set its reduce precision through precision=bf16)")
+    for name in ("dp_replicate", "dp_shard"):
+        if getattr(cfg, name) == 0:
+            raise ConfigError(name, "is 0", "use a number of ranks, or -1 to fill it in from the world size")
+    if cfg.strategy == "ddp" and (cfg.dp_replicate, cfg.dp_shard) != (1, -1):
+        raise ConfigError("dp_replicate" if cfg.dp_replicate != 1 else "dp_shard",
+                          f"dp_replicate={cfg.dp_replicate}, dp_shard={cfg.dp_shard} shape FSDP's mesh but strategy is "
+                          "ddp (a whole replica on every rank)", "use strategy=fsdp for HSDP, or leave dp_replicate=1 "
+                          "and dp_shard=-1")
     if cfg.precision == "fp16" and cfg.strategy == "fsdp":
         raise ConfigError("precision", "fp16 with fsdp is not supported (loss scaling of sharded gradients)",
                           "use precision=bf16 with fsdp, or strategy=ddp for fp16")
@@ -330,6 +365,11 @@ def check_rules(cfg: TrainConfig) -> None:
     if cfg.model == "transformer" and cfg.hidden % cfg.n_heads:
         raise ConfigError("n_heads", f"hidden={cfg.hidden} is not divisible by n_heads={cfg.n_heads}",
                           "choose n_heads dividing hidden (the transformer's width)")
+
+
+def _divisor_near(n: int, want: int) -> int:
+    """The divisor of ``n`` nearest ``want`` (a fix to propose)."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - want), d))
 
 
 BPE_RE = re.compile(r"^bpe:(\d+)$")

@@ -140,11 +140,12 @@ def parallelize(model: nn.Module, cfg, info: DistInfo,
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16" else MixedPrecisionPolicy()
+        mesh = data_parallel_mesh(cfg, info)
         units = fsdp_layout(model)
         held = {id(u) for u in used_last(model, units)}
         for unit in units:
-            fully_shard(unit, mp_policy=mp, reshard_after_forward=id(unit) not in held)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=id(unit) not in held)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         units.append(model)
         timer.timed = info.device.type == "cpu"  # see CommTimer: CUDA streams are not timed
         if timer.timed:
@@ -156,6 +157,19 @@ def parallelize(model: nn.Module, cfg, info: DistInfo,
             initial(model, info.device)
         return model, timer
     raise ValueError(f"unknown strategy {cfg.strategy!r}")
+
+
+def data_parallel_mesh(cfg, info: DistInfo):
+    """FSDP2's mesh: 1-D over every rank (plain FSDP), or 2-D ``(dp_replicate, dp_shard)`` for HSDP,
+    each row a group of consecutive ranks (one node's, as torchrun numbers them) holding one sharded
+    copy: parameters are all-gathered and gradients reduce-scattered within a row, and the shards'
+    gradients all-reduced down each column, across the nodes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicate, shard = cfg.mesh_shape(info.world_size)
+    if replicate == 1:
+        return init_device_mesh(info.device.type, (shard,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(info.device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def gradient_sync(model: nn.Module, sync: bool):

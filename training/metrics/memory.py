@@ -206,7 +206,8 @@ def _autocast(cfg) -> str:
 def estimate_from(c: StepCount, cfg, *, world_size: int, device: str, data_bytes: int, baseline: int | None,
                   micro_batch: int) -> Estimate:
     """The terms from a step's count: the sizing rules of DDP, FSDP2 and AdamW."""
-    n = world_size if cfg.strategy == "fsdp" else 1
+    # Sharded over one row of the mesh: every rank under plain FSDP, dp_shard ranks under HSDP.
+    n = cfg.mesh_shape(world_size)[1] if cfg.strategy == "fsdp" else 1
     fp32 = c.param_numel * 4
     if cfg.strategy == "fsdp":
         # Every rank holds 1/N of each unit (padded to N equal shards); the units' full
@@ -228,7 +229,7 @@ def estimate_from(c: StepCount, cfg, *, world_size: int, device: str, data_bytes
         "activations": int(acts),
         "allocator": int(ALLOCATOR_SHARE.get(device, 0.5) * acts),
     }
-    setup = {"strategy": cfg.strategy, "world_size": world_size, "precision": cfg.precision,
+    setup = {"strategy": cfg.strategy, "world_size": world_size, "dp_shard": n, "precision": cfg.precision,
              "activation_checkpointing": cfg.activation_checkpointing, "batch_size": cfg.batch_size,
              "grad_accum": cfg.grad_accum, "micro_batch": micro_batch, "device": device,
              "parameters": c.param_numel, "largest_unit_parameters": c.largest_unit_numel,

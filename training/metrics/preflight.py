@@ -163,6 +163,8 @@ def changes(cfg, world_size: int, *, has_blocks: bool) -> list[Change]:
     if cfg.strategy == "ddp" and world_size > 1:
         out.append(Change("strategy=fsdp", {"strategy": "fsdp", "comm_hook": "none",
                                             **({"precision": "bf16"} if cfg.precision == "fp16" else {})}, world_size))
+    if cfg.strategy == "fsdp" and cfg.dp_replicate != 1 and world_size > 1:  # HSDP: shard over every rank
+        out.append(Change("dp_replicate=1 (fsdp over every rank)", {"dp_replicate": 1, "dp_shard": -1}, world_size))
     for mode in ac:
         out.append(Change(f"activation_checkpointing={mode}", {"activation_checkpointing": mode}, world_size))
         if cfg.strategy == "ddp" and world_size > 1:
@@ -177,7 +179,7 @@ def changes(cfg, world_size: int, *, has_blocks: bool) -> list[Change]:
         bigger = world_size * mult
         if cfg.batch_size % (bigger * cfg.grad_accum) == 0:
             out.append(Change(f"strategy=fsdp on {bigger} ranks, each with this budget (world_size / nodes)",
-                              {"strategy": "fsdp", "comm_hook": "none"}, bigger))
+                              {"strategy": "fsdp", "comm_hook": "none", "dp_replicate": 1, "dp_shard": -1}, bigger))
     return out
 
 

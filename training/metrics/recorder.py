@@ -45,6 +45,15 @@ WARMUP_SUMMARY = ("perf/step_s", "perf/samples_per_s", "comm/s_per_step", "comm/
 PROGRESS_EVERY_S = 5.0  # the progress tag is a write to the tracking store: not every window
 
 
+def mesh_label(cfg, world_size: int) -> str:
+    """The run's layout in words, -1 degrees filled in: ``ddp x4``, ``fsdp x4`` (one sharded copy),
+    ``hsdp 2x2`` (dp_replicate x dp_shard): what a comparison of runs lines up by."""
+    if cfg.strategy != "fsdp":
+        return f"{cfg.strategy} x{world_size}"
+    replicate, shard = cfg.mesh_shape(world_size)
+    return f"fsdp x{shard}" if replicate == 1 else f"hsdp {replicate}x{shard} (dp_replicate x dp_shard)"
+
+
 class MetricsRecorder:
     """The trainer's reporting, one instance per rank. Only rank 0 writes ``steps.jsonl``, logs to
     MLflow (``mlflow`` is a NullLogger elsewhere) and prints (training.log); every rank takes part
@@ -119,12 +128,13 @@ class MetricsRecorder:
     def _announce(self, resumed_from: str | None) -> None:
         cfg, info = self.cfg, self.info
         where = f"resuming from {resumed_from} (step {self.state.step})" if resumed_from else "starting from scratch"
-        logger.info(f"train: {cfg.model}/{cfg.strategy}/{cfg.precision} on {info.world_size} ranks, "
+        mesh = mesh_label(cfg, info.world_size)
+        logger.info(f"train: {cfg.model}/{cfg.strategy}/{cfg.precision} on {info.world_size} ranks ({mesh}), "
                     f"backend={info.backend}, device={info.device.type}, restart {self.restarts}, {where}")
         if resumed_from is None:
             params, per_run = mlflow_record(cfg)
             self.mlflow.log_params({**params, "world_size": info.world_size, "backend": info.backend,
-                                    "n_params": self.n_params})
+                                    "n_params": self.n_params, "mesh": mesh})
             self.mlflow.set_tags({**per_run, "config_hash": cfg.config_hash()})
         self.mlflow.log_text(json.dumps(cfg.to_dict(), indent=2) + "\n", "train_config.json")
 

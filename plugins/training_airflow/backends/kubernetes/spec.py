@@ -152,6 +152,18 @@ def in_store(params: dict[str, Any]) -> bool:
     return params.get("checkpoint_location", "store") == "store"
 
 
+def pod_mesh(params: dict[str, Any]) -> dict[str, int]:
+    """FSDP over several pods of several GPUs each, the mesh left at its default: HSDP, sharded
+    within a pod (over its NVLink) and replicated across pods (one all-reduce of the shards over
+    the slower network per step), ``dp_replicate`` following the pod count, so an elastic run
+    keeps it. CPU pods hold one rank each: there FSDP shards across the pods, as it must to split
+    a model no pod holds. A mesh the user shaped is kept."""
+    default = (int(params.get("dp_replicate", 1)), int(params.get("dp_shard", -1))) == (1, -1)
+    if params.get("strategy") == "fsdp" and default and node_range(params)[1] > 1 and procs_per_node(params) > 1:
+        return {"dp_replicate": -1, "dp_shard": procs_per_node(params)}
+    return {}
+
+
 def pod_train_config(params: dict[str, Any], *, run_dir: str, run_id: str, world_size: int | None = None,
                      token_shards: str = "") -> dict[str, Any]:
     """The TrainConfig the pods run, built by the same code as the local backend's. With the
@@ -165,7 +177,7 @@ def pod_train_config(params: dict[str, Any], *, run_dir: str, run_id: str, world
     else:
         where = {"checkpoint_dir": f"{run_dir}/checkpoints", "output_dir": f"{run_dir}/output"}
     # The preemption grace is the pod's (``grace``), not the local backend's Param.
-    cfg = run_config.train_config({**params, "preempt_grace_s": grace(params).rank_s},
+    cfg = run_config.train_config({**params, **pod_mesh(params), "preempt_grace_s": grace(params).rank_s},
                                world_size=world_size or world_sizes(params)[-1], token_shards=token_shards,
                                **where).to_dict()
     if not str(cfg["dataset_uri"]).startswith("s3://"):  # the pods read an s3:// dataset themselves
