@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RANK = """
-import json, os, sys, types
+import json, os, sys
+from training.config.train_config import TrainConfig
 from training.metrics.memory import tame_malloc
 tame_malloc()
 def hwm():
@@ -35,8 +36,7 @@ meta = {"kind": "tokens", "task": "language_modeling", "features": ["t"], "vocab
 spec = ModelSpec.for_data("transformer", meta, hidden=hidden, depth=depth, n_heads=8)
 info = parallel.init(600)
 base = hwm()
-cfg = types.SimpleNamespace(strategy="fsdp", activation_checkpointing="none", precision="fp32", bucket_cap_mb=25,
-                            comm_hook="none", compile="none")
+cfg = TrainConfig(dataset_uri="unused", strategy="fsdp", precision="fp32")
 if way == "whole":
     model, _ = parallel.parallelize(build_model(spec), cfg, info)
 else:

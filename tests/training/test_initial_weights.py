@@ -22,14 +22,14 @@ TOKENS = {"kind": "tokens", "task": "language_modeling", "features": ["tokens"],
 
 # A rank: build, shard, materialise, then rank 0 writes the whole state (gathered) to OUT.
 WORKER = """
-import json, sys, types, torch
+import json, sys, torch
+from training.config.train_config import TrainConfig
 from training.distributed import parallel
 from training.models.build import build_for_training
 from training.models.spec import ModelSpec
 spec, strategy, out = ModelSpec.from_json(json.loads(sys.argv[1])), sys.argv[2], sys.argv[3]
 info = parallel.init(120)
-cfg = types.SimpleNamespace(strategy=strategy, activation_checkpointing="none", precision="fp32", bucket_cap_mb=25,
-                            comm_hook="none", compile="none")
+cfg = TrainConfig(dataset_uri="unused", strategy=strategy, precision="fp32")
 model, initial = build_for_training(spec, seed=11, strategy=strategy)
 model, _ = parallel.parallelize(model, cfg, info, initial)
 state = {k.removeprefix("module."): parallel.full_tensor(v).detach().cpu().clone() for k, v in model.state_dict().items()}
