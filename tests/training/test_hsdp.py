@@ -16,7 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mlflow.tracking import MlflowClient
+
 from tests.conftest import run_torchrun
+from training.tracking.run import get_or_create_experiment
 from training.distributed.launch import torchrun_command
 from training.util import free_port
 
@@ -45,14 +48,14 @@ def _ok(proc) -> str:
     return out
 
 
-def _two_nodes(sets: list[str]) -> str:
+def _two_nodes(sets: list[str], env: dict[str, str] | None = None) -> str:
     """Two torchrun agents of two ranks, the c10d rendezvous on loopback: node 0 holds ranks 0-1,
     node 1 ranks 2-3. Returns both agents' output."""
     port = free_port()
     cmd = torchrun_command([a for s in sets for a in ("--set", s)], nproc_per_node=2, nnodes="2:2",
                            rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="hsdp-test",
                            options=["--rdzv-conf", "join_timeout=120"])
-    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **(env or {})}
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, **env}) for _ in range(2)]
     outs = [a.communicate(timeout=300)[0] for a in agents]
@@ -73,12 +76,23 @@ def plain(dataset, tmp_path_factory) -> Path:
 def test_hsdp_on_two_nodes_trains_as_plain_fsdp_and_resumes_its_checkpoint(dataset, plain, tmp_path):
     ref = _losses(plain)
     hsdp = tmp_path / "hsdp"
-    out = _two_nodes(_sets(dataset, hsdp, dp_replicate=2))
+    client = MlflowClient()
+    run_id = client.create_run(get_or_create_experiment("test-hsdp"), run_name="hsdp").info.run_id
+    out = _two_nodes(_sets(dataset, hsdp, dp_replicate=2, log_every=5), env={"MLFLOW_RUN_ID": run_id})
     assert "on 4 ranks (hsdp 2x2 (dp_replicate x dp_shard))" in out, out[-3000:]
     got = _losses(hsdp)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:  # the same sums, reduced in another order: equal within fp32 rounding
         assert got[step] == pytest.approx(ref[step], rel=1e-4), (step, got[step], ref[step])
+    # Communication per mesh dimension: within a node's shard group and across the two copies,
+    # the parts of the step's communication time (gloo runs them one at a time).
+    run = client.get_run(run_id)
+    assert run.data.params["mesh"] == "hsdp 2x2 (dp_replicate x dp_shard)"
+    m = run.data.metrics
+    shard, replicate, total = m["comm/dp_shard_s_per_step"], m["comm/dp_replicate_s_per_step"], m["comm/s_per_step"]
+    assert shard > 0 and replicate > 0, m
+    assert shard + replicate == pytest.approx(total, rel=0.02), m  # means over the ranks, as the total is
+
     # The final checkpoint's export is whole (gathered from both copies' shards) and matches FSDP's.
     exported = load_file(hsdp / "ck" / f"step_{STEPS:08d}" / "model.safetensors")
     expected = load_file(plain / "ck" / f"step_{STEPS:08d}" / "model.safetensors")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +59,10 @@ class CommTimer:
         # several threads), so each of N collectives in flight adds the delay, as on a saturated wire.
         self.delay_s = 0.0
         self.link = threading.Lock()
+        # Seconds per mesh dimension (FSDP2 on gloo, whose collectives run one at a time):
+        # dp_shard (all-gather, reduce-scatter within a shard group), dp_replicate (HSDP's all-reduce).
+        self._dims: dict[str, float] = {}
+        self.last_collective_end = 0.0
 
     def launched(self) -> float:
         """Called by the hook when DDP hands it a bucket; returns the launch time."""
@@ -94,8 +98,11 @@ class CommTimer:
             return max(0.0, start.elapsed_time(end) / 1000)
         return measured
 
-    def record(self, start: float, end: float, nbytes: int, bus_factor: float, blocking: bool = False) -> None:
+    def record(self, start: float, end: float, nbytes: int, bus_factor: float, blocking: bool = False,
+               dim: str | None = None) -> None:
         with self._lock:
+            if dim is not None:
+                self._dims[dim] = self._dims.get(dim, 0.0) + (end - start)
             self._intervals.append((start, end))
             self.bytes += nbytes
             self.bus_bytes += nbytes * bus_factor
@@ -112,6 +119,7 @@ class CommTimer:
             bus, self.bus_bytes = self.bus_bytes, 0.0
             blocked, self.blocked_s = self.blocked_s, 0.0
             collectives, self.collectives = self.collectives, 0
+            dims, self._dims = self._dims, {}
         total, cur_start, cur_end = 0.0, None, None
         for s, e in intervals:
             if cur_end is None or s > cur_end:
@@ -122,7 +130,8 @@ class CommTimer:
                 cur_end = max(cur_end, e)
         if cur_end is not None:
             total += cur_end - cur_start
-        return CommStep(seconds=total, bytes=nbytes, bus_bytes=bus, collectives=collectives, blocked_s=blocked)
+        return CommStep(seconds=total, bytes=nbytes, bus_bytes=bus, collectives=collectives, blocked_s=blocked,
+                        by_dim=dims)
 
 
 @dataclass
@@ -132,6 +141,7 @@ class CommStep:
     bus_bytes: float
     collectives: int
     blocked_s: float
+    by_dim: dict[str, float] = field(default_factory=dict)  # seconds per mesh dimension (FSDP2 on gloo)
 
 
 def _timed(inner):
@@ -177,9 +187,10 @@ def _fsdp_timed_comms(timer: CommTimer):
         if work is None:  # synchronous: the training thread waited for all of it
             if timer.delay_s:
                 time.sleep(timer.delay_s)  # test-only: a slower network
-            timer.record(start, time.perf_counter(), nbytes, (n - 1) / n, blocking=True)
+            timer.last_collective_end = end = time.perf_counter()
+            timer.record(start, end, nbytes, (n - 1) / n, blocking=True, dim="dp_shard")
             return None
-        work.get_future().then(lambda f: timer.record(start, time.perf_counter(), nbytes, (n - 1) / n))
+        work.get_future().then(lambda f: timer.record(start, time.perf_counter(), nbytes, (n - 1) / n, dim="dp_shard"))
         return work
 
     class TimedAllGather(DefaultAllGather):
@@ -195,3 +206,19 @@ def _fsdp_timed_comms(timer: CommTimer):
                          nbytes, group)
 
     return TimedAllGather(), TimedReduceScatter()
+
+
+def hsdp_all_reduce_timer(timer: CommTimer, replicas: int):
+    """An FSDP2 all-reduce hook (``set_all_reduce_hook``) that times HSDP's all-reduce of a unit's
+    gradient shards across the replicas. FSDP2 calls the hook right after that all-reduce, which
+    on gloo runs synchronously right after the unit's reduce-scatter (``TimedReduceScatter``
+    stamps its end): the interval between the two is the all-reduce, all of it exposed. Logged as
+    the ``dp_replicate`` dimension."""
+    factor = 2 * (replicas - 1) / replicas
+
+    def hook(reduce_output: torch.Tensor) -> None:
+        nbytes = reduce_output.numel() * reduce_output.element_size()
+        timer.record(timer.last_collective_end, time.perf_counter(), nbytes, factor, blocking=True,
+                     dim="dp_replicate")
+
+    return hook

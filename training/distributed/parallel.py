@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from training.distributed.comm import CommTimer, _fsdp_timed_comms, _timed
+from training.distributed.comm import CommTimer, _fsdp_timed_comms, _timed, hsdp_all_reduce_timer
 from training.models import activations, compiling
 from training.models.build import fsdp_layout, used_last
 from training.util import free_port
@@ -150,9 +150,12 @@ def parallelize(model: nn.Module, cfg, info: DistInfo,
         timer.timed = info.device.type == "cpu"  # see CommTimer: CUDA streams are not timed
         if timer.timed:
             all_gather, reduce_scatter = _fsdp_timed_comms(timer)
+            replicas = mesh.size(0) if mesh.ndim == 2 else 1
             for unit in units:
                 unit.set_custom_all_gather(all_gather)
                 unit.set_custom_reduce_scatter(reduce_scatter)
+                if replicas > 1:
+                    unit.set_all_reduce_hook(hsdp_all_reduce_timer(timer, replicas))
         if initial is not None:
             initial(model, info.device)
         return model, timer

@@ -45,6 +45,9 @@ WARMUP_SUMMARY = ("perf/step_s", "perf/samples_per_s", "comm/s_per_step", "comm/
 PROGRESS_EVERY_S = 5.0  # the progress tag is a write to the tracking store: not every window
 
 
+MESH_DIMS = ("dp_shard", "dp_replicate")  # the dimensions whose communication is timed apart (CommTimer)
+
+
 def mesh_label(cfg, world_size: int) -> str:
     """The run's layout in words, -1 degrees filled in: ``ddp x4``, ``fsdp x4`` (one sharded copy),
     ``hsdp 2x2`` (dp_replicate x dp_shard): what a comparison of runs lines up by."""
@@ -239,14 +242,15 @@ class MetricsRecorder:
         exposed = sum(self.comm_timer.exposed_seconds(e) for e in w.exposed)
         # One collective per window (an all-gather; the sums and the max are taken here): every
         # collective is a round trip that waits for the slowest rank.
-        mine = torch.tensor([float(w.loss), w.comm_s, w.data_s, exposed, elapsed, peak_memory_bytes(info.device)],
-                            dtype=torch.float64)
+        mine = torch.tensor([float(w.loss), w.comm_s, w.data_s, exposed, elapsed, peak_memory_bytes(info.device),
+                             *(w.dim_s.get(dim, 0.0) for dim in MESH_DIMS)], dtype=torch.float64)
         ranks = [torch.empty_like(mine) for _ in range(info.world_size)]
         dist.all_gather(ranks, mine)
         every = torch.stack(ranks)
         loss_sum, comm_sum, data_sum, exposed_sum = (every[:, :4].sum(dim=0) / info.world_size).tolist()
         step_s = float(every[:, 4].max()) / w.steps
         peaks = every[:, 5].tolist()  # each rank's peak so far (CPU: its resident set; CUDA: max allocated)
+        w.dim_s = {dim: float(s) for dim, s in zip(MESH_DIMS, every[:, 6:].sum(dim=0) / info.world_size) if dim in w.dim_s}
         grad_norm = self._grad_norm
         if grad_norm is None:  # gradients of the last step are still in .grad until the next zero_grad
             grad_norm = torch.nn.utils.clip_grad_norm_(self.state.model.parameters(), float("inf"))
@@ -313,6 +317,8 @@ class MetricsRecorder:
         # bus bandwidth rather than a wrong one (exposed time above uses CUDA events).
         if not self.comm_timer.cuda:
             stats["comm/s_per_step"] = comm_s
+            if len(w.dim_s) > 1:  # HSDP: within a shard group and across the replicas, averaged over the ranks
+                stats.update({f"comm/{dim}_s_per_step": s / w.steps for dim, s in sorted(w.dim_s.items())})
             if self.info.world_size > 1 and comm_s > 0:
                 # Bus bandwidth as nccl-tests report it: each rank moves 2(n-1)/n of an all-reduce's
                 # buffer, (n-1)/n of an all-gather's or reduce-scatter's; GB/s = 1e9 bytes/s.

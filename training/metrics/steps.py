@@ -161,6 +161,7 @@ class Window:
     comm_s: float = 0.0
     exposed: list[Any] = field(default_factory=list)
     comm: CommStep | None = None  # the last step's (bytes, collectives: the same every step)
+    dim_s: dict[str, float] = field(default_factory=dict)  # seconds per mesh dimension, this rank's
 
     def add(self, r: StepResult) -> None:
         self.steps += 1
@@ -172,3 +173,5 @@ class Window:
             self.exposed.append(r.comm.blocked_s)
         self.comm_s += r.comm.seconds
         self.comm = r.comm
+        for dim, seconds in r.comm.by_dim.items():
+            self.dim_s[dim] = self.dim_s.get(dim, 0.0) + seconds
