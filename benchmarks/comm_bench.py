@@ -5,7 +5,8 @@
 The transformer (d_model ``--hidden``, ``--depth`` blocks: 3.2M parameters, 12.6 MB of fp32
 gradients at the defaults) on Markov token data, 2 gloo ranks, each point a real torchrun run of
 the trainer logging to its own MLflow run (``training.results.bench``: the same sweep as
-``python -m training bench --bucket-caps ... --comm-hooks none fp16 --repeats N``). Rounds
+``python -m training bench --bucket-caps ... --comm-hooks none fp16 --repeats N``; ``--hooks none
+powersgd`` compares PowerSGD instead: bytes per step and time to a loss both reach). Rounds
 alternate every setting; figures are medians over the rounds of each run's log windows after the
 first. Printed per setting: collectives per step (buckets), time a collective was in flight,
 exposed time (what the step waited for after backward had no compute left), exposed / in flight
@@ -64,6 +65,9 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hooks", nargs="+", default=["none", "fp16"], choices=["none", "fp16", "powersgd"],
+                    help="comm_hook values (powersgd: rank --powersgd-rank after 10 steps of plain all-reduce)")
+    ap.add_argument("--powersgd-rank", type=int, default=4)
     ap.add_argument("--link-mbit", type=float, default=0,
                     help="emulate a link of this many Mbit/s between the ranks (0: plain loopback)")
     a = ap.parse_args()
@@ -82,8 +86,9 @@ def main() -> int:
     subprocess.run([sys.executable, "-m", "training", "make-data", "--kind", "markov", "--out", str(data),
                     "--train-rows", "4000", "--val-rows", "200"], check=True, capture_output=True, cwd=ROOT)
     base = {"dataset_uri": str(data), "model": "transformer", "hidden": a.hidden, "depth": a.depth, "n_heads": 4,
-            "steps": a.steps, "batch_size": a.batch_size, "log_every": 10, "checkpoint_every": 0, "eval_every": 0}
-    points, skipped = grid([2], ["ddp"], ["fp32"], ["none", "fp16"], base=base, cuda=False, bucket_caps=a.caps,
+            "steps": a.steps, "batch_size": a.batch_size, "log_every": 10, "checkpoint_every": 0, "eval_every": 0,
+            "powersgd_rank": a.powersgd_rank}
+    points, skipped = grid([2], ["ddp"], ["fp32"], a.hooks, base=base, cuda=False, bucket_caps=a.caps,
                            repeats=a.repeats)
     assert not skipped, skipped
     client = MlflowClient()
@@ -108,6 +113,11 @@ def main() -> int:
             print(f"  {setting:<34} {m.get('comm/collectives_per_step', 0):4.0f} buckets  exposed/comm "
                   f"{m.get('exposed/comm', float('nan')):.2f}  {verdict}")
 
+    if "powersgd" in a.hooks and "none" in a.hooks:
+        _powersgd_against_plain(client, results, points[:len(points) // a.repeats], a.caps)
+    if not {"none", "fp16"} <= set(a.hooks):
+        print(f"\nruns: MLflow {os.environ['MLFLOW_TRACKING_URI']} experiment comm_bench, logs under {work / 'points'}")
+        return 0
     print("\ngoal 2: fp16 compression's exposed time / uncompressed, same bucket size, per round (<= 0.7)")
     exposed = {(r["setting"], r["point"]): _after_warmup(client, r["run_id"], "comm/exposed_s_per_step") for r in results}
     for cap in a.caps:
@@ -124,6 +134,33 @@ def main() -> int:
                   f"{statistics.median(ratios):.2f}")
     print(f"\nruns: MLflow {os.environ['MLFLOW_TRACKING_URI']} experiment comm_bench, logs under {work / 'points'}")
     return 0
+
+
+def _powersgd_against_plain(client, results, settings, caps) -> None:
+    """Per bucket size: the bytes a rank sends per step once compressing (after the warm-up window)
+    over plain fp32's, and the time each takes to a train loss both reach (the higher of the two
+    final ones): the first log window at or below it, times the run's median step time."""
+    from training.results.bench import _after_warmup
+
+    def history(run_id: str) -> list[tuple[int, float]]:
+        return sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
+
+    print("\npowersgd against plain DDP, per round: bytes/step ratio, time to a train loss both reach")
+    for cap in caps:
+        plain, psgd = (next(p.setting for p in settings if p.bucket_cap_mb == cap and p.comm_hook == hook)
+                       for hook in ("none", "powersgd"))
+        runs = {hook: [r for r in results if r["setting"] == key] for hook, key in (("none", plain), ("powersgd", psgd))}
+        for rnd, (n, c) in enumerate(zip(runs["none"], runs["powersgd"]), start=1):
+            target = max(history(n["run_id"])[-1][1], history(c["run_id"])[-1][1])  # a loss both reach
+            ratio = _after_warmup(client, c["run_id"], "comm/bytes_per_step") / _after_warmup(client, n["run_id"],
+                                                                                                "comm/bytes_per_step")
+            times = []
+            for r in (n, c):
+                step = next((s for s, v in history(r["run_id"]) if v <= target), None)
+                step_s = _after_warmup(client, r["run_id"], "perf/step_s")
+                times.append(f"{step * step_s:.1f} s (step {step})" if step else "not reached")
+            print(f"  bucket_cap_mb {cap:g} round {rnd}: bytes {ratio:.4f}x; to loss {target:.4f}: plain {times[0]}, "
+                  f"powersgd {times[1]}")
 
 
 if __name__ == "__main__":

@@ -165,7 +165,8 @@ class Trainer:
         self.sampler = ShardedSampler(sum(blocks.sizes), global_batch=cfg.batch_size, rank=info.rank,
                                       world_size=info.world_size, seed=cfg.seed, blocks=blocks.sizes,
                                       window=blocks.window_for(cfg.shuffle_window))
-        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.sampler, self.scaler)
+        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.sampler, self.scaler,
+                                rank_local=parallel.rank_local_state(self.model))
         self.loader = StreamLoader(blocks, self.sampler)
         self.micro_batch = cfg.batch_size // info.world_size // cfg.grad_accum
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

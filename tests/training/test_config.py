@@ -14,7 +14,8 @@ def test_defaults_are_valid():
 @pytest.mark.parametrize(
     "field, value",
     [("steps", 0), ("steps", -5), ("batch_size", 0), ("lr", 0.0), ("lr", -1.0), ("model", "resnet"),
-     ("strategy", "zero3"), ("checkpoint_every", -1), ("seed", -1), ("grad_clip", -0.5), ("steps", True)],
+     ("strategy", "zero3"), ("checkpoint_every", -1), ("seed", -1), ("grad_clip", -0.5), ("steps", True),
+     ("comm_hook", "topk"), ("powersgd_rank", 0), ("powersgd_warmup_steps", 1)],
 )
 def test_bad_values_are_refused_naming_the_field(field, value):
     with pytest.raises(ConfigError) as err:
@@ -117,3 +118,10 @@ def test_a_target_the_task_cannot_log_is_refused_from_the_fields_alone(fields, t
 ])
 def test_a_target_some_data_of_these_fields_logs_passes(fields, target):
     TrainConfig(dataset_uri="/data", target_metric=target, target_value=0.5, eval_every=50, **fields)
+
+
+def test_powersgd_compresses_ddp_gradients_only():
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(dataset_uri="/d", strategy="fsdp", comm_hook="powersgd")
+    assert err.value.field == "comm_hook" and "use comm_hook=none with fsdp" in str(err.value)
+    TrainConfig(dataset_uri="/d", comm_hook="powersgd").check_device(cuda=False)  # gloo runs it

@@ -49,7 +49,9 @@ def test_parameters_gradients_and_adamw_state_are_sized_from_the_model_and_shard
     ddp = _est(_cfg(strategy="ddp"), world=2)
     assert ddp.terms["parameters"] == ddp.terms["gradients"] == 4 * n  # DDP: a full replica, bucket-held gradients
     assert ddp.terms["optimizer"] == 2 * 4 * n  # AdamW: exp_avg and exp_avg_sq in fp32
-    assert ddp.terms["fsdp_units"] == 0
+    assert ddp.terms["fsdp_units"] == ddp.terms["compression"] == 0
+    psgd = _est(_cfg(strategy="ddp", comm_hook="powersgd"), world=2)
+    assert psgd.terms["compression"] == 2 * 4 * n  # error feedback kept, and the bucket's copy while compressing
     fsdp = _est(_cfg(strategy="fsdp"), world=2)
     for k in ("parameters", "gradients", "optimizer"):
         assert fsdp.terms[k] == ddp.terms[k] // 2

@@ -65,11 +65,23 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 
 class TrainState(Stateful):
     """Everything a resume needs, as DCP sees it: model, optimizer, LR scheduler, grad scaler,
-    sampler position and step. (Per-rank RNG states are kept beside it, see save_rng.)"""
+    sampler position and step. (What is each rank's own is kept beside it, in ``rng_rankN.pt``: the
+    RNG states, and ``rank_local``'s parts, e.g. PowerSGD's error feedback.)"""
 
-    def __init__(self, model, optimizer, scheduler, sampler, scaler=None):
+    def __init__(self, model, optimizer, scheduler, sampler, scaler=None, rank_local: dict[str, Any] | None = None):
         self.model, self.optimizer, self.scheduler, self.sampler, self.scaler = model, optimizer, scheduler, sampler, scaler
+        self.rank_local = rank_local or {}
         self.step = 0
+
+    def local_state(self) -> dict[str, Any]:
+        return {**rng_state(), "local": {name: part.state_dict() for name, part in self.rank_local.items()}}
+
+    def load_local_state(self, saved: dict[str, Any] | None) -> None:
+        """After the shared state: this rank's file, or None where the checkpoint has none for it."""
+        if saved is not None:
+            set_rng_state(saved)
+        for name, part in self.rank_local.items():
+            part.load_state_dict((saved or {}).get("local", {}).get(name), step=self.step)
 
     def state_dict(self) -> dict[str, Any]:
         msd, osd = get_state_dict(self.model, self.optimizer)
@@ -193,9 +205,8 @@ class Checkpointer:
                     raise RuntimeError(f"loading {self.loc.uri(cand.step_dir)} failed: {describe(by_rank)}") from None
                 return "; ".join(sorted({str(f) for f in by_rank.values()})) + "; falling back to an older checkpoint"
             rng = reader.verified.get(rng_file(self.rank))
-            if rng is not None:
-                set_rng_state(torch.load(rng, weights_only=True))
-                self.rng_restored = True
+            state.load_local_state(None if rng is None else torch.load(rng, weights_only=True))
+            self.rng_restored = rng is not None
         return None
 
     def _report(self, reasons: list[str], *, resumed: str | None, step_dir: str | None) -> None:
@@ -256,7 +267,7 @@ class Checkpointer:
     def _writer(self, state: TrainState, *, model_dir: Path | None = None) -> StoreWriter:
         step, step_dir = state.step, step_dir_name(state.step)
         rng = io.BytesIO()
-        torch.save(rng_state(), rng)
+        torch.save(state.local_state(), rng)
         extras: dict[str, bytes | Path] = {rng_file(self.rank): rng.getvalue()}
         if model_dir is not None and self.rank == 0:
             extras.update({name: model_dir / name for name in EXPORTED if (model_dir / name).is_file()})

@@ -132,9 +132,17 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = knob(
         "fp32", "fp32; bf16 (autocast, or FSDP2 mixed precision); fp16 (autocast + dynamic loss scaling, ddp only)",
         title="Precision", tag=True)
-    comm_hook: Literal["none", "fp16", "bf16"] = knob(
-        "none", "DDP gradient compression before the all-reduce: none, fp16, bf16 (bf16 needs GPUs)",
-        title="Gradient compression (DDP)")
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = knob(
+        "none", "DDP gradient compression before the all-reduce: none, fp16, bf16 (bf16 needs GPUs), powersgd "
+        "(low-rank, with error feedback; see powersgd_rank)", title="Gradient compression (DDP)")
+    powersgd_rank: int = knob(
+        4, "comm_hook=powersgd: rank of each weight matrix's gradient approximation; an n x m matrix sends "
+        "(n + m) x rank numbers instead of n x m (matrices that would not shrink 2x are sent whole)",
+        title="PowerSGD rank", minimum=1, maximum=1024, section=ADVANCED)
+    powersgd_warmup_steps: int = knob(
+        10, "comm_hook=powersgd: optimizer steps of plain all-reduce before compression starts (torch's advice: "
+        "about a tenth of training, at least the LR warm-up); at least 2, DDP settles its buckets in the first step",
+        title="PowerSGD warm-up steps", minimum=2, maximum=10_000_000, section=ADVANCED)
     steps: int = knob(300, "optimizer steps in total", title="Steps", minimum=1, maximum=10_000_000)
     batch_size: int = knob(
         64, "global batch: samples per optimizer step over all ranks and micro-batches; divisible by world size x "

@@ -3,6 +3,8 @@ that the step waits for (exposed), for DDP and FSDP2 alike."""
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -10,7 +12,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+log = logging.getLogger(__name__)
 
 
 class CommTimer:
@@ -144,17 +149,26 @@ class CommStep:
     by_dim: dict[str, float] = field(default_factory=dict)  # seconds per mesh dimension (FSDP2 on gloo)
 
 
-def _timed(inner):
-    """Wrap a stock DDP comm hook so that each bucket's collective is timed (see CommTimer)."""
+def stock_sender(inner):
+    """A stock DDP comm hook (``default_hooks``) as ``_timed`` takes it: bucket -> (future, bytes sent
+    per rank); the compressing hooks send half-width copies."""
+    half = inner in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
+
+    def send(bucket):
+        buf = bucket.buffer()
+        return inner(None, bucket), buf.numel() * (2 if half else buf.element_size())  # None: the default group
+
+    return send
+
+
+def _timed(send):
+    """A DDP comm hook that times each bucket's collective (see CommTimer) around ``send``
+    (bucket -> (future averaging the bucket over the ranks, bytes this rank sends))."""
 
     # No annotations: DDP inspects them and `from __future__ import annotations` turns them into strings.
     def hook(timer, bucket):
         start = timer.launched()
-        buf = bucket.buffer()
-        # Bytes on the wire per rank: the compressing hooks send half-width copies.
-        width = 2 if inner in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook) else buf.element_size()
-        nbytes = buf.numel() * width
-        fut = inner(None, bucket)  # None: the default process group; averages over ranks
+        fut, nbytes = send(bucket)
         if timer.delay_s:
             def slow(f, d=timer.delay_s):
                 with timer.link:
@@ -172,6 +186,122 @@ def _timed(inner):
         return fut.then(done)
 
     return hook
+
+
+class PowerSGD:
+    """comm_hook=powersgd: torch's PowerSGD hook (Vogels et al. 2019) with error feedback and warm
+    start. Each weight matrix's gradient is sent as two rank-r factors, after ``warmup_steps``
+    steps of plain all-reduce; what compression loses stays in a per-rank error buffer added to the
+    next step's gradient. That state (and the factors reused as the next step's start, and the RNG
+    that draws them) is this rank's own: ``state_dict`` / ``load_state_dict`` keep it in the
+    checkpoint beside the RNG states, so a resumed run continues as if never stopped.
+
+    Why state is moved between layouts here: torch keeps it per DDP bucket, as one flat tensor
+    per bucket index, and DDP lays buckets out anew after a model's first step (by the order its
+    gradients became ready), so a resumed run's first step sees other buckets than the ones saved.
+    The state is therefore saved per parameter, and packed into whatever bucket a parameter is in
+    when that bucket's layout is one it has not seen."""
+
+    def __init__(self, module: nn.Module, *, rank: int, warmup_steps: int, seed: int, device: torch.device) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        self._hook, self._should_compress = powerSGD_hook.powerSGD_hook, powerSGD_hook._should_compress
+        self.state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=warmup_steps,
+            use_error_feedback=True, warm_start=True, random_seed=seed)
+        self.device = device
+        self._name = {id(p): name for name, p in module.named_parameters()}
+        self._shapes = {name: list(p.shape) for name, p in module.named_parameters()}  # a gradient's is its parameter's
+        self._sizes = {name: p.numel() for name, p in module.named_parameters()}
+        self._names: dict[int, list[str]] = {}  # bucket index -> its parameters, in the bucket's order
+        self._loose: dict[str, dict[str, torch.Tensor]] = {"error": {}, "p": {}, "q": {}}  # per parameter
+
+    def send(self, bucket):
+        s, idx = self.state, bucket.index()
+        names = [self._name[id(p)] for p in bucket.parameters()]
+        if self._names.get(idx) != names:
+            self._repack(idx, names)
+        before = s.total_numel_after_compression  # torch counts what each compressed call sends
+        fut = self._hook(s, bucket)
+        sent = s.total_numel_after_compression - before or bucket.buffer().numel()  # 0: a plain all-reduce
+        return fut, sent * bucket.buffer().element_size()
+
+    def _factors(self, names: list[str], shapes) -> list[tuple[str, int, int]]:
+        """(name, P's length, Q's length) of the compressed gradients, in the order torch lays the
+        factors out in a bucket: grouped by matrix shape, groups in order of first appearance."""
+        groups: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        for name, shape in zip(names, shapes):
+            n = shape[0]
+            m = math.prod(shape) // n
+            r = min(n, m, self.state.matrix_approximation_rank)
+            if self._should_compress(n, m, r, self.state.min_compression_rate)[0]:
+                groups.setdefault((n, m), []).append((name, n * r, m * r))
+        return [f for group in groups.values() for f in group]
+
+    def _unpack(self, idx: int) -> None:
+        """Bucket ``idx``'s state into per-parameter pieces (``_loose``)."""
+        s, names = self.state, self._names.pop(idx)
+        error = s.error_dict.pop(idx, None)
+        if error is not None:
+            sizes = [self._sizes[n] for n in names]
+            self._loose["error"].update(zip(names, error.split(sizes)))
+        p, q = s.p_memory_dict.pop(idx, None), s.q_memory_dict.pop(idx, None)
+        if p is not None and q is not None:
+            factors = self._factors(names, [self._shapes[n] for n in names])
+            self._loose["p"].update(zip([f[0] for f in factors], p.split([f[1] for f in factors])))
+            self._loose["q"].update(zip([f[0] for f in factors], q.split([f[2] for f in factors])))
+
+    def _repack(self, idx: int, names: list[str]) -> None:
+        """Bucket ``idx``, now holding ``names``: its state from the pieces of every bucket that held them."""
+        mine = set(names)
+        for other in [i for i, ns in self._names.items() if i == idx or mine & set(ns)]:
+            self._unpack(other)
+        self._names[idx] = names
+        s, loose = self.state, self._loose
+        if not any(n in loose["error"] for n in names):
+            return  # no state yet (warm-up): torch starts this bucket's
+        err = [loose["error"].pop(n, None) for n in names]
+        s.error_dict[idx] = torch.cat([e.to(self.device) if e is not None else torch.zeros(self._sizes[n], device=self.device)
+                                       for e, n in zip(err, names)])
+        factors = self._factors(names, [self._shapes[n] for n in names])
+        ps, qs = [loose["p"].pop(f[0], None) for f in factors], [loose["q"].pop(f[0], None) for f in factors]
+        if any(x is None for x in ps + qs):
+            log.warning("PowerSGD: bucket %d's factors are not all known; torch draws them afresh", idx)
+            return
+        empty = torch.empty(0, device=self.device)
+        s.p_memory_dict[idx] = torch.cat(ps).to(self.device) if ps else empty
+        s.q_memory_dict[idx] = torch.cat(qs).to(self.device) if qs else empty
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per parameter, in types ``torch.load(weights_only=True)`` accepts."""
+        s = self.state
+        for idx in list(self._names):
+            self._unpack(idx)  # packed again, per bucket, at the next step
+        _, key, pos, has_gauss, cached = s.rng.get_state()
+        return {"iter": s.iter, "world_size": dist.get_world_size(),
+                "rng": {"key": torch.from_numpy(key.astype("int64")), "pos": int(pos), "has_gauss": int(has_gauss),
+                        "cached": float(cached)},
+                **{part: {n: t.detach().cpu().clone() for n, t in kept.items()} for part, kept in self._loose.items()}}
+
+    def load_state_dict(self, saved: dict[str, Any] | None, *, step: int) -> None:
+        """``saved``: this rank's state at ``step``, or None (a checkpoint without it: compression
+        resumes where the step count says, with no error carried over)."""
+        import numpy as np
+
+        s = self.state
+        if saved is None:
+            s.iter = step
+            return
+        s.iter = int(saved["iter"])
+        r = saved["rng"]
+        s.rng.set_state(("MT19937", r["key"].numpy().astype(np.uint32), r["pos"], r["has_gauss"], r["cached"]))
+        if saved["world_size"] != dist.get_world_size():
+            log.warning("PowerSGD: the checkpoint's error feedback is of %d ranks, not %d; it starts at zero",
+                        saved["world_size"], dist.get_world_size())
+            return
+        s.error_dict.clear(), s.p_memory_dict.clear(), s.q_memory_dict.clear()
+        self._names.clear()
+        self._loose = {part: dict(saved[part]) for part in ("error", "p", "q")}
 
 
 def _fsdp_timed_comms(timer: CommTimer):

@@ -21,7 +21,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from training.distributed.comm import CommTimer, _fsdp_timed_comms, _timed, hsdp_all_reduce_timer
+from training.distributed.comm import (CommTimer, PowerSGD, _fsdp_timed_comms, _timed, hsdp_all_reduce_timer,
+                                      stock_sender)
 from training.models import activations, compiling
 from training.models.build import fsdp_layout, used_last
 from training.util import free_port
@@ -133,7 +134,12 @@ def parallelize(model: nn.Module, cfg, info: DistInfo,
             gradient_as_bucket_view=True,
             bucket_cap_mb=cfg.bucket_cap_mb,
         )
-        wrapped.register_comm_hook(timer, _timed(HOOKS[cfg.comm_hook]))
+        if cfg.comm_hook == "powersgd":
+            wrapped.powersgd = PowerSGD(model, rank=cfg.powersgd_rank, warmup_steps=cfg.powersgd_warmup_steps,
+                                        seed=cfg.seed, device=info.device)
+            wrapped.register_comm_hook(timer, _timed(wrapped.powersgd.send))
+        else:
+            wrapped.register_comm_hook(timer, _timed(stock_sender(HOOKS[cfg.comm_hook])))
         _ddp_alive.add(wrapped)
         return wrapped, timer
     if cfg.strategy == "fsdp":
@@ -160,6 +166,13 @@ def parallelize(model: nn.Module, cfg, info: DistInfo,
             initial(model, info.device)
         return model, timer
     raise ValueError(f"unknown strategy {cfg.strategy!r}")
+
+
+def rank_local_state(model: nn.Module) -> dict[str, Any]:
+    """The parts of the wrapped model that hold state of this rank alone (checkpointed per rank,
+    beside its RNG states): PowerSGD's error feedback."""
+    psgd = getattr(model, "powersgd", None)
+    return {"powersgd": psgd} if psgd is not None else {}
 
 
 def data_parallel_mesh(cfg, info: DistInfo):

@@ -226,6 +226,9 @@ def estimate_from(c: StepCount, cfg, *, world_size: int, device: str, data_bytes
         "gradients": math.ceil(fp32 / n),
         "optimizer": math.ceil(2 * fp32 / n),  # AdamW: exp_avg and exp_avg_sq in fp32
         "fsdp_units": int(units),
+        # PowerSGD: its error feedback (a gradient's size, kept between steps) and, while a bucket is
+        # compressed, the copy it measures the error against.
+        "compression": 2 * fp32 if cfg.comm_hook == "powersgd" else 0,
         "activations": int(acts),
         "allocator": int(ALLOCATOR_SHARE.get(device, 0.5) * acts),
     }
