@@ -27,7 +27,7 @@ def _cmd_make_data(a: argparse.Namespace) -> int:
     if a.kind == "digits":
         meta = make_digits_dataset(a.out, seed=a.seed)
     elif a.kind in ("text", "text-classes"):
-        meta = make_text_dataset(a.out, labels=a.kind == "text-classes")
+        meta = make_text_dataset(a.out, labels=a.kind == "text-classes", names=a.kind == "text-classes")
     elif a.kind == "markov":
         meta = make_markov_dataset(a.out, n_train=a.train_rows, n_val=a.val_rows, vocab=a.vocab, seq_len=a.seq_len, seed=a.seed)
     else:
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kind", choices=["teacher", "digits", "markov", "text", "text-classes"], default="teacher",
                    help="teacher: tabular (mlp); digits: 8x8 images (cnn); markov: token sequences (transformer); "
                    "text: Python's own help text as documents (transformer, text_column=text); text-classes: the "
-                   "same with a label, 1 for code or grammar and 0 for prose (a text classifier)")
+                   "same with a label, code (code or grammar) or prose, by name (a text classifier)")
     s.add_argument("--train-rows", type=int, default=20_000, help="rows in the train split")
     s.add_argument("--val-rows", type=int, default=4_000, help="rows in the validation split")
     s.add_argument("--features", type=int, default=16, help="number of feature columns")

@@ -23,7 +23,7 @@ HF = {k: v for k, v in TEXT.items() if k not in ("model", "hidden", "depth", "n_
 def help_text(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-data")
     make_text_dataset(root / "lm")
-    make_text_dataset(root / "classes", labels=True)
+    make_text_dataset(root / "classes", labels=True, names=True)  # classes by name: code, prose
     return root
 
 
@@ -67,6 +67,16 @@ def test_a_bert_classifier_on_labelled_text_and_a_config_only_folder(airflow_db,
                                 "steps": 60, "experiment": "hf-classes", "store_uri": (tmp_path / "s1").as_uri()})
     assert set(states.values()) == {"success"}, states
     assert run.data.tags["data.task"] == "classification" and run.data.metrics["eval/accuracy"] > 0.8
+    # The exported folder names its classes as transformers does, and the registered model answers with them.
+    from transformers import AutoModelForSequenceClassification
+
+    step = run.data.tags["checkpoint.uri"].rsplit("/", 1)[-1]
+    exported = tmp_path / "s1" / "hf-classes" / run.info.run_id / step
+    hf = AutoModelForSequenceClassification.from_pretrained(exported, local_files_only=True)
+    assert hf.config.id2label == {0: "code", 1: "prose"} and hf.config.label2id == {"code": 0, "prose": 1}
+    served = mlflow.pyfunc.load_model("models:/hf-classes@champion").predict(
+        pd.DataFrame({"text": [">>> import os\n>>> os.getcwd()", "The import statement finds and loads a module."]}))
+    assert set(served) <= {"code", "prose"}, served
     # config.json alone: random weights, trained all the same.
     lm = gpt2_folder(tmp_path / "gpt2-config", weights=False)
     states, client, run = _run({**HF, "model": f"hf:{lm}", "dataset_uri": str(help_text / "lm"), "steps": 10,

@@ -91,7 +91,7 @@ def test_a_language_model_on_text_then_the_same_text_from_s3(airflow_db, s3_serv
 
 def test_text_with_a_label_trains_a_classifier(airflow_db, tmp_path):
     data = tmp_path / "code-or-prose"
-    make_text_dataset(data, labels=True)
+    make_text_dataset(data, labels=True, names=True)  # the classes by name: code, prose
     states, client, run = _run({**TEXT, "dataset_uri": str(data), "tokenizer": "bpe:512", "steps": 100,
                                 "experiment": "text-classes", "store_uri": (tmp_path / "store").as_uri()})
     assert set(states.values()) == {"success"}, states
@@ -108,4 +108,4 @@ def test_text_with_a_label_trains_a_classifier(airflow_db, tmp_path):
     served = mlflow.pyfunc.load_model("models:/text-classes@champion").predict(pd.DataFrame({"text": docs}))
     checkpoint = tmp_path / "store" / "text-classes" / run.info.run_id / tags["checkpoint.uri"].rsplit("/", 1)[-1]
     assert list(served) == predict_text(*load_text_folder(checkpoint), docs)
-    assert set(served) == {0, 1}, served  # both classes among 40 documents
+    assert set(served) == {"code", "prose"}, served  # both classes among 40 documents, by name

@@ -66,7 +66,7 @@ def test_bad_data_fails_the_same_expectations_in_batches(clean, tmp_path, split,
 def test_a_batch_failure_says_where_it_was_first_seen(clean, tmp_path):  # noqa: F811
     bad = _rewrite(clean, tmp_path / "bad", "train", _nulls_and_labels)
     lines = _verdict(bad, batch_rows=ROWS)["failures"]
-    assert "train: expect_column_values_to_be_in_set(label): 5 bad values, e.g. [7, 7, 7] (first in rows 1400-1999; " \
+    assert "train: expect_column_values_to_be_in_set(label): 5 values outside the set ([0, 1, 2, 3]): [7] (first in rows 1400-1999; " \
            "1 of 3 batches)" in lines
     assert "train: expect_column_values_to_not_be_null(f3): 10 bad values (first in rows 0-699; 1 of 3 batches)" in lines
 

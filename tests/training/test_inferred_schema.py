@@ -25,6 +25,7 @@ from training.data.options import DataOptions
 from training.data.gate import DataValidationError, validate
 
 WINE = DataOptions(label_column="target")
+CULTIVARS = {0: "barolo", 1: "grignolino", 2: "barbera"}
 
 
 def wine_frame() -> pd.DataFrame:
@@ -110,7 +111,7 @@ def _drifted(df: pd.DataFrame, train: pd.DataFrame, kind: str) -> pd.DataFrame:
 
 
 @pytest.mark.parametrize("kind, lines", [
-    ("class", ["validation: expect_column_values_to_be_in_set(target): 3 bad values, e.g. [7, 7, 7]"]),
+    ("class", ["validation: expect_column_values_to_be_in_set(target): 3 values outside the set ([0, 1, 2]): [7]"]),
     ("rename", ["validation: expect_table_columns_to_match_set: missing ['hue'], unexpected ['hue_v2']"]),
     ("strings", ["validation: expect_column_values_to_be_in_type_list(ash): observed dtype str, expected float"]),
     ("scale", ["validation: expect_column_min_to_be_between(proline)", "validation: expect_column_max_to_be_between(proline)"]),
@@ -129,7 +130,7 @@ def test_all_drifts_at_once_are_each_named(tmp_path):
     df = wine_frame()
     root = write_splits(tmp_path / "all", df.iloc[:130], _drifted(df.iloc[130:], df.iloc[:130], "all"))
     failures = _gate_failures(root)
-    for start in ("validation: expect_column_values_to_be_in_set(target): 3 bad values",
+    for start in ("validation: expect_column_values_to_be_in_set(target): 3 values outside the set",
                   "validation: expect_table_columns_to_match_set: missing ['hue'], unexpected ['hue_v2']",
                   "validation: expect_column_values_to_be_in_type_list(ash): observed dtype str, expected float",
                   "validation: expect_column_max_to_be_between(proline): observed"):
@@ -150,8 +151,12 @@ BAD_INPUT = [
      "'target' is not a column of the train split (its columns: alcohol, malic_acid"),
     (lambda df: df.assign(target=df["target"].astype("Int64").mask(df.index % 50 == 0)), WINE, "label_column",
      "missing values (null or NaN) in the train split"),
-    (lambda df: df.assign(target=df["target"].map({0: "barolo", 1: "grignolino", 2: "barbera"})), WINE, "label_column",
-     "'target' holds string values, not numbers"),
+    (lambda df: df.assign(target=df["target"].map(CULTIVARS)), DataOptions(label_column="target", task="regression"),
+     "task", "regression needs numbers but label 'target' holds names"),
+    (lambda df: df.assign(target=[f"c{i}" for i in range(len(df))]), WINE, "label_column",  # train: 141 of the rows
+     f"'target' holds 141 distinct names in train, more than the {MAX_CLASSES} classes task=auto infers"),
+    (lambda df: df.assign(target=[[1]] * len(df)), WINE, "label_column",
+     "'target' holds list<element: int64> values, neither numbers nor class names"),
     (lambda df: df.assign(target=1), WINE, "label_column",
      "'target' has a single class (1) in the train split: there is nothing to tell apart"),
     (lambda df: df.assign(region=["north", "south"] * 89), DataOptions(label_column="target",
@@ -165,6 +170,27 @@ BAD_INPUT = [
     (None, DataOptions(label_column="target", feature_columns=("alcohol", "colour")), "feature_columns",
      "colour not in the train split"),
 ]
+
+
+def test_class_names_as_labels_train_a_classifier_of_those_names(tmp_path):
+    from training.data.arrays import to_arrays
+
+    df = wine_frame().assign(target=lambda d: d["target"].map(CULTIVARS))
+    root = write_splits(tmp_path / "named", df.iloc[:133], df.iloc[133:])
+    report = validate(str(root), options=WINE)
+    d = report["data_schema"]["description"]
+    assert (d["task"], d["classes"], d["n_classes"]) == ("classification", ["barbera", "barolo", "grignolino"], 3)
+    assert d["task_reason"] == "label 'target' holds class names (3 distinct in train): classification"
+    ds = open_dataset(str(root), WINE)
+    split = to_arrays(ds.table("validation"), ds.columns())
+    names = ds.table("validation").column("target").to_pylist()
+    assert [d["classes"][i] for i in split.labels] == names  # each row's class index is its name's
+    # A class validation holds and train lacks fails the gate, named.
+    val = df.iloc[133:].copy()
+    val.loc[val.index[:2], "target"] = "nebbiolo"
+    bad = write_splits(tmp_path / "unseen", df.iloc[:133], val)
+    assert _gate_failures(bad) == ["validation: expect_column_values_to_be_in_set(target): 2 values outside the set "
+                                   "(['barbera', 'barolo', 'grignolino']): ['nebbiolo']"]
 
 
 @pytest.mark.parametrize("change, options, field, message", BAD_INPUT)

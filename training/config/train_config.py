@@ -92,8 +92,8 @@ class TrainConfig:
         None, "comma-separated columns the model reads; empty: every numeric column but the label (a non-numeric "
         "column named here is refused before any rank starts)", title="Feature columns")
     task: Literal["auto", "classification", "regression"] = knob(
-        "auto", "auto: a label of integers with at most 50 distinct values in train is classification, any other "
-        "numeric label regression (the run records which and why)", title="Task", tag=True)
+        "auto", "auto: a label of class names, or of integers with at most 50 distinct values in train, is "
+        "classification, any other numeric label regression (the run records which and why)", title="Task", tag=True)
     text_column: str | None = knob(
         None, "the column of documents (strings, or token ids as list<int>): the data is text and the model a language "
         "model, or a classifier when the table also holds label_column; empty: a table of numbers",

@@ -227,9 +227,9 @@ def _describe_table(table, options: DataOptions,
         raise ConfigError("label_column", f"{label!r} is not a column of the train split (its columns: "
                           f"{', '.join(names)})", "set label_column to the column that holds the target")
     ltype = table.schema.field(label).type
-    if not _numeric(ltype):
-        raise ConfigError("label_column", f"{label!r} holds {type_name(ltype)} values, not numbers",
-                          "write classes as integers (any integer codes) and regression targets as numbers")
+    if not _numeric(ltype) and family(ltype) != "string":
+        raise ConfigError("label_column", f"{label!r} holds {type_name(ltype)} values, neither numbers nor class "
+                          "names", "write classes as names or integers and regression targets as numbers")
     missing, values = label_scan(label) if label_scan is not None else (_missing(table.column(label)),
                                                                          table.column(label))
     if missing:
@@ -263,11 +263,15 @@ def _describe_text(table, options: DataOptions) -> dict[str, Any]:
                            "features": [col], "label": None, "source": "inferred from the train split"}
     label = options.label_column
     if label in names and label != col:
+        missing = _missing(table.column(label))
+        if missing:
+            raise ConfigError("label_column", f"{label!r} has {missing} missing values (null or NaN) in the train "
+                              "split", "drop those rows or fill in their labels")
         task, reason, classes = label_task(table.column(label), label, options.task)
         if task != "classification":
             raise ConfigError("task", f"text with label {label!r} trains a classifier, but {reason}",
-                              "write the classes as integers, or leave label_column out of the table to train a "
-                              "language model on the text")
+                              "write the classes as names or integers, or leave label_column out of the table to "
+                              "train a language model on the text")
         out.update(label=label, task="classification", task_reason=f"text with the label {label!r}: classification "
                    f"({len(classes)} classes)", n_classes=len(classes), classes=classes)
     else:
@@ -321,11 +325,25 @@ def label_task(column, label: str, task: str) -> tuple[str, str, list[Any] | Non
                 task = "regression"
                 reason = (f"label {label!r} holds integers with {len(values)} distinct values in train (more than "
                           f"{MAX_CLASSES}): regression")
-        else:
+        elif fam == "string":
+            values = sorted(pc.unique(column).to_pylist())
+            if len(values) > MAX_CLASSES:
+                raise ConfigError("label_column", f"{label!r} holds {len(values)} distinct names in train, more than "
+                                  f"the {MAX_CLASSES} classes task=auto infers", "set task=classification to train "
+                                  f"a classifier of {len(values)} classes, or name another label_column")
+            task, reason = "classification", (f"label {label!r} holds class names ({len(values)} distinct in "
+                                              f"train): classification")
+        elif fam == "float":
             task, reason = "regression", f"label {label!r} holds floating-point numbers ({column.type}): regression"
+        else:
+            raise ConfigError("label_column", f"{label!r} holds {type_name(column.type)} values, neither numbers "
+                              "nor class names", "write classes as names or integers, regression targets as numbers")
     else:
         reason = f"task={task} (set)"
     if task == "regression":
+        if fam == "string":
+            raise ConfigError("task", f"regression needs numbers but label {label!r} holds names",
+                              "set task=auto or classification to train a classifier of its names")
         return task, reason, None
     values = values if values is not None else sorted(pc.unique(column).to_pylist())
     if fam == "float" and any(float(v) != int(v) for v in values):

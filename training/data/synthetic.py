@@ -170,11 +170,13 @@ def looks_like_code(paragraph: str) -> int:
     return int("::=" in paragraph or ">>>" in paragraph or any(line.startswith("   ") for line in paragraph.splitlines()))
 
 
-def make_text_dataset(root: str | Path, *, validation_share: float = 0.2, labels: bool = False) -> dict[str, Any]:
+def make_text_dataset(root: str | Path, *, validation_share: float = 0.2, labels: bool = False,
+                      names: bool = False) -> dict[str, Any]:
     """Documents of real text (``python_help_paragraphs``) in train/ and validation/ Parquet files
     with one column ``text``; a document goes to validation by a hash of its text. No dataset.json:
     text needs none (``text_column=text``). ``labels``: also a column ``label``, 1 where the
-    paragraph is code or grammar and 0 where it is prose (``looks_like_code``): a classifier's data."""
+    paragraph is code or grammar and 0 where it is prose (``looks_like_code``): a classifier's data;
+    with ``names``, the classes as names: ``code`` and ``prose``."""
     import hashlib
 
     root = Path(root)
@@ -185,14 +187,15 @@ def make_text_dataset(root: str | Path, *, validation_share: float = 0.2, labels
         part = [d for d, v in zip(docs, val) if v == keep]
         columns: dict[str, Any] = {"text": part}
         if labels:
-            columns["label"] = np.array([looks_like_code(d) for d in part], dtype=np.int64)
+            codes = np.array([looks_like_code(d) for d in part], dtype=np.int64)
+            columns["label"] = np.array(["prose", "code"])[codes] if names else codes
         _write_split(root, split, columns)
         counts[split] = len(part)
     return {"kind": "text", "text_column": "text", "label": "label" if labels else None, "rows": counts}
 
 
 GENERATORS = {"teacher": make_teacher_dataset, "digits": make_digits_dataset, "markov": make_markov_dataset,
-              "text": make_text_dataset, "text-classes": lambda root: make_text_dataset(root, labels=True)}
+              "text": make_text_dataset, "text-classes": lambda root: make_text_dataset(root, labels=True, names=True)}
 
 
 def read_meta(root: str | Path) -> dict[str, Any]:

@@ -79,6 +79,13 @@ def failure(split: str, r, schema: DatasetSchema) -> dict[str, Any]:
         observed = plain(res["observed_value"])
         family = next((f for f, names in DTYPE_FAMILIES.items() if names == list(kw.get("type_list") or [])), None)
         seen = f"observed dtype {observed}, expected {family or kw.get('type_list')}"
+    elif cfg.type == "expect_column_values_to_be_in_set" and res.get("unexpected_count"):
+        # A label's set is train's classes: name the ones the split holds beyond them.
+        observed = res["unexpected_count"]
+        allowed = list(kw.get("value_set") or [])
+        unknown = sorted({short(plain(v)) for v in res.get("partial_unexpected_list") or []}, key=str)
+        seen = (f"{observed} values outside the set ({[short(v) for v in allowed[:20]]}"
+                f"{' ...' if len(allowed) > 20 else ''}): {unknown}")
     elif res.get("unexpected_count"):
         observed = res["unexpected_count"]
         seen = f"{observed} bad values"

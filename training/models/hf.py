@@ -69,9 +69,11 @@ def default_tokenizer(model: str, env: Mapping[str, str] | None = None) -> str:
     return str(folder(model, env)) if is_hf(model) else "bytes"
 
 
-def hf_config(model: str, *, task: str, n_classes: int, pad_id: int | None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+def hf_config(model: str, *, task: str, n_classes: int, pad_id: int | None, classes: list[Any] | None = None,
+              env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The ``arch`` of an hf model's spec: its ``config.json`` as the model to build (a classifier's
-    ``num_labels`` and padding set), the class to build and whether the folder has weights."""
+    ``num_labels``, its classes as ``id2label``/``label2id`` and padding set), the class to build and
+    whether the folder has weights."""
     from transformers import AutoConfig
 
     where = folder(model, env)
@@ -79,6 +81,9 @@ def hf_config(model: str, *, task: str, n_classes: int, pad_id: int | None, env:
     head = "sequence_classification" if task == "classification" else "causal_lm"
     if head == "sequence_classification":
         config.num_labels = n_classes
+        if classes is not None:  # after num_labels, which resets them to LABEL_0...
+            config.id2label = {i: str(c) for i, c in enumerate(classes)}
+            config.label2id = {str(c): i for i, c in enumerate(classes)}
         if pad_id is not None and pad_id < config.vocab_size:
             config.pad_token_id = pad_id
     return {"hf_config": config.to_dict(), "hf_head": head, "pretrained": (where / WEIGHTS).is_file()}

@@ -110,7 +110,8 @@ class ModelSpec:
         elif hf:  # the folder's config.json, adapted to the task (num_labels, padding)
             from training.models.hf import check_vocabulary, hf_config
 
-            out["arch"] = hf_config(model, task=task, n_classes=out.get("n_classes", 0), pad_id=out.get("pad_id"))
+            out["arch"] = hf_config(model, task=task, n_classes=out.get("n_classes", 0), pad_id=out.get("pad_id"),
+                                    classes=out.get("classes"))
             check_vocabulary(model, out["arch"], int(meta.get("tokenizer_vocab") or meta["vocab_size"]))
         return cls(**out)
 
