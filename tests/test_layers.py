@@ -25,19 +25,22 @@ LAYERS = [
     ("training.metrics",),
     ("training.results",),
     ("training.evaluate",),
+    ("training.sweep",),
     ("training.train",),
     ("training.cli", "training.__main__"),
 ]
 # The Airflow side, bottom first: every module imports only modules of its own layer's left or
 # below (a module of a layer may import the ones listed before it in the same layer).
 AIRFLOW_LAYERS = [
-    ("training_airflow.settings", "training_airflow.wiring", "training_airflow.policy", "training_airflow.conf_check"),
+    ("training_airflow.settings", "training_airflow.wiring", "training_airflow.policy"),
     ("training_airflow.handoff", "training_airflow.failures", "training_airflow.connections", "training_airflow.run_config",
      "training_airflow.mlflow_run"),
-    ("training_airflow.assets", "training_airflow.links", "training_airflow.lifecycle", "training_airflow.inprocess_logs"),
+    ("training_airflow.assets", "training_airflow.links", "training_airflow.lifecycle", "training_airflow.inprocess_logs",
+     "training_airflow.sweep_check"),
     ("training_airflow.backends",),
-    ("training_airflow.params",),
-    ("training_airflow.tasks", "training_airflow.dataset_tasks", "training_airflow.bench_tasks"),
+    ("training_airflow.params", "training_airflow.conf_check"),
+    ("training_airflow.tasks", "training_airflow.dataset_tasks", "training_airflow.bench_tasks",
+     "training_airflow.sweep_tasks"),
 ]
 
 

@@ -37,6 +37,7 @@ from training.distributed import faults, parallel, precision
 from training.distributed.launch import EXIT_PREEMPTED
 from training.distributed.resilience import Phase, Preempted, Preemption, RankRecord, ReplicaCheck
 from training.evaluate import Evaluator
+from training.sweep import pruning as sweep_pruning
 from training.metrics.memory import Estimate, tame_malloc
 from training.metrics.preflight import preflight_rank
 from training.metrics.recorder import MetricsRecorder
@@ -193,6 +194,7 @@ class Trainer:
         self.recorder.on_window.append(self.preemption.pace)
         self.checkpointer.on_commit.append(self.recorder.live.checkpoint_committed)
         faults.install(self)  # only when a TRAINING_FAULT_* variable asks for one
+        self.pruning = sweep_pruning.install(self)  # a sweep's trial: the pruner may stop it at an evaluation
         self.startup.mark("components")  # checkpointer, recorder, evaluator (reads the validation split)
 
     def fit(self) -> dict[str, Any]:
@@ -226,7 +228,7 @@ class Trainer:
 
     def _loop(self) -> None:
         """Every component decides itself whether this step is its turn."""
-        while self.state.step < self.cfg.steps:
+        while self.state.step < self.cfg.steps and not (self.pruning and self.pruning.stop):
             self.preemption.maybe_stop(self.state)  # an agreed SIGTERM: checkpoint this step, raise Preempted
             result = self._train_step()
             self.state.step += 1
@@ -303,6 +305,7 @@ class Trainer:
             "skipped_steps": tel.skipped_steps,
             "train_wall_s": time.perf_counter() - wall_start,
             "config_hash": cfg.config_hash(),
+            "pruned_at": self.pruning.pruned_at if self.pruning else None,
             **run_summary,
         }
         if info.is_main:

@@ -1,0 +1,1 @@
+"""Hyperparameter sweeps: the search space, the study and the pruning of trials (Optuna)."""
