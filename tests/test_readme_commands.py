@@ -75,6 +75,8 @@ NOT_RUN = {
     "make install": "installs into .venv, which every test already runs in",
     "make demo": "tests/e2e/test_demo.py runs it from a clean shell",
     "make test": "the test suite itself",
+    ".venv/bin/airflow dags trigger training_sweep": "needs the running scheduler; tests/e2e/test_sweep_dag.py runs "
+    "the sweep DAG (dag.test) and tests/plugins/test_conf_check.py the trigger-time check of its search",
     ".venv/bin/python scripts/project_env.py .venv/bin/python benchmarks/gpu_check.py": "needs a CUDA machine; "
     "the --device cpu --small form is run by tests/training/test_gpu_check.py",
     "TEST_BACKGROUND_LOAD=2 .venv/bin/python -m pytest tests/training": "a part of the test suite itself",

@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 
 # The DAGs of dags/ that have Params (tests/dags checks this list against the DAG folder).
 CHECKED_DAGS = frozenset({"distributed_training", "distributed_training_on_data", "register_dataset",
-                          "training_benchmark"})
+                          "training_benchmark", "training_sweep"})
 # The DAGs whose runs the deployment's policy bounds (training_airflow/policy.py).
-POLICY_DAGS = frozenset({"distributed_training", "distributed_training_on_data"})
+POLICY_DAGS = frozenset({"distributed_training", "distributed_training_on_data", "training_sweep"})
+SWEEP_DAG = "training_sweep"  # its search is checked too: a space the trainer refuses, the policy's sweep bounds
 TRIGGER_PATH = re.compile(r"/api/v2/dags/(?P<dag_id>[^/]+)/dagRuns/?$")
 MAX_BODY = 1 << 20  # a larger trigger body is passed on unread (Airflow answers it)
 
@@ -133,6 +134,8 @@ class ConfCheck:
         if error is None and dag_id in POLICY_DAGS and isinstance(known, Mapping):
             params = {**known, **conf}
             error = _outside_policy(params) or _target_mismatch(params)
+        if error is None and dag_id == SWEEP_DAG and isinstance(known, Mapping):
+            error = await run_in_threadpool(_bad_search, {**known, **conf})
         return error
 
 
@@ -144,6 +147,20 @@ def _outside_policy(params: dict[str, Any]) -> ConfigError | None:
         policy.check(params, resolve=settings.resolve_path)
     except policy.PolicyError as e:
         return e
+    return None
+
+
+def _bad_search(params: dict[str, Any]) -> ConfigError | None:
+    """A sweep's search the trainer or the policy would refuse (a field, a range, a choice, the bounds)."""
+    from training_airflow import settings
+    from training_airflow.sweep_check import check_search
+
+    try:
+        check_search({**params, "dataset_uri": settings.resolve_path(str(params.get("dataset_uri", "")))})
+    except ConfigError as e:
+        return e
+    except (TypeError, ValueError, KeyError):  # a wrong type: Airflow's own validation answers it
+        return None
     return None
 
 

@@ -177,6 +177,15 @@ class Data(_Strict):
         return v
 
 
+class Sweeps(_Strict):
+    """Bounds of one hyperparameter sweep (``training_sweep``; absent: no bound)."""
+
+    trials: int | None = Field(None, ge=1, description="trials of one sweep")
+    parallel_trials: int | None = Field(None, ge=1, description="trials of one sweep training at once")
+    total_steps: int | None = Field(None, ge=1, description="optimizer steps of all a sweep's trials together "
+                                    "(trials x steps)")
+
+
 class Policy(_Strict):
     """The whole file."""
 
@@ -184,6 +193,7 @@ class Policy(_Strict):
     ceilings: Ceilings = Field(default_factory=Ceilings)
     code: Code = Field(default_factory=Code)
     data: Data = Field(default_factory=Data)
+    sweeps: Sweeps = Field(default_factory=Sweeps)
 
     @field_validator("runtimes")
     @classmethod
@@ -400,3 +410,15 @@ def record(loaded: Loaded, runtime: str, triggered_by: str | None) -> dict[str, 
 def describe(loaded: Loaded) -> str:
     """One line for logs: the policy's source, version and runtimes."""
     return f"policy {loaded.source} sha256 {loaded.sha256[:12]}, runtimes {', '.join(loaded.policy.runtimes)}"
+
+
+def check_sweep(trials: int, parallel: int, steps: int, rules: Loaded) -> None:
+    """A sweep within the policy's ``sweeps`` bounds, before any trial (``PolicyError`` names the field)."""
+    bounds = rules.policy.sweeps
+    for field, rule, value, bound in (("trials", "sweeps.trials", trials, bounds.trials),
+                                      ("max_parallel_trials", "sweeps.parallel_trials", parallel, bounds.parallel_trials),
+                                      ("trials", "sweeps.total_steps", trials * steps, bounds.total_steps)):
+        if bound is not None and value > bound:
+            allowed = (f"at most {bound // max(1, steps)} trials of {steps} steps (or fewer steps)"
+                       if rule == "sweeps.total_steps" else f"at most {bound}")
+            raise PolicyError(field, rule, value, allowed)

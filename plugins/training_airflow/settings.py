@@ -17,6 +17,13 @@ def work_dir(run_id: str | None = None) -> Path:
     return root / run_id if run_id else root
 
 
+def sweep_storage_url() -> str:
+    """Where sweeps keep their Optuna studies: ``TRAINING_SWEEP_STORAGE`` (an SQLAlchemy URL, e.g.
+    Postgres in the compose stack), else a SQLite file in the work folder. It may hold a password:
+    it reaches the ranks as environment, never as arguments or in logs."""
+    return os.environ.get("TRAINING_SWEEP_STORAGE") or f"sqlite:///{work_dir() / 'sweeps.db'}"
+
+
 def default_dataset_uri() -> str:
     return str(VAR / "data" / "teacher")
 

@@ -84,7 +84,7 @@ def run_name(params: dict[str, Any], world_size: int) -> str:
 
 @fails_fast
 def open_run(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_uri: str | None = None,
-             dag_run: Any = None) -> RunOpened:
+             dag_run: Any = None, param_spec: dict[str, Any] | None = None, tags: dict[str, str] | None = None) -> RunOpened:
     """Check the run's Params (the backend's rules, the rules between fields, the store's access),
     then open this DAG run's MLflow run, or re-open it on a retry: one MLflow run per DAG run.
 
@@ -94,8 +94,9 @@ def open_run(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_ur
     made past the api-server's check: ``airflow dags trigger --conf``, TriggerDagRunOperator) fails
     the run here, and so does a run outside the deployment's policy (``policy.check``), before any
     user code is imported; the MLflow run records the runtime, the policy's sha256 and who
-    triggered it. Earlier runs of this DAG that were cancelled are marked KILLED."""
-    check_conf(getattr(dag_run, "conf", None), training_params(), dag_id=dag_id)  # Airflow let it in unchecked
+    triggered it. Earlier runs of this DAG that were cancelled are marked KILLED. ``param_spec``:
+    the DAG's Params when they are not ``training_params()`` (a sweep's); ``tags``: more tags."""
+    check_conf(getattr(dag_run, "conf", None), param_spec or training_params(), dag_id=dag_id)  # Airflow let it in unchecked
     dataset = settings.resolve_path(dataset_uri or params["dataset_uri"])
     params = {**params, "dataset_uri": dataset}
     # The deployment's policy, before anything of the user's is imported or any compute is spent.
@@ -114,7 +115,7 @@ def open_run(params: dict[str, Any], *, dag_id: str, dag_run_id: str, dataset_ur
     check_writable(params["store_uri"], s3_env, field="store_uri")  # so do a missing bucket and denied keys
 
     run_id = open_mlflow_run(experiment, dag_id=dag_id, dag_run_id=dag_run_id, run_name=run_name(params, world_size),
-                             tags={**run_tags(params), "world_size": str(world_size)})
+                             tags={**run_tags(params), "world_size": str(world_size), **(tags or {})})
     logger = run_logger(run_id)
     logger.set_tags(policy.record(rules, runtime, getattr(dag_run, "triggering_user_name", None)))
     if dag_run is not None:

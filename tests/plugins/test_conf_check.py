@@ -207,3 +207,24 @@ def test_the_demo_asks_for_accuracy_only_on_its_own_classification_table(monkeyp
     assert demo.run_conf(["dataset_uri=/d", "target_metric=eval/r2", "target_value=0.5"])["target_metric"] == "eval/r2"
     with pytest.raises(ValueError, match="has no '='"):
         demo.run_conf(["steps"])
+
+
+def test_a_sweep_whose_search_the_trainer_refuses_gets_400_before_any_run(tmp_path):
+    from training_airflow.sweep_tasks import sweep_params
+
+    async def authorized(scope, dag_id):
+        return True
+
+    defaults = {name: p.value for name, p in sweep_params().items()} | {"dataset_uri": str(tmp_path)}
+    check = ConfCheck(None, declared=lambda app, dag_id: defaults, authorized=authorized)
+    path = "/api/v2/dags/training_sweep/dagRuns"
+    for conf, says in (({"search_space": {"hiden": [32, 64]}}, "config field 'search_space.hiden': is not a field"),
+                       ({"search_space": {"lr": {"low": 0.1, "high": 0.01}}},
+                        "config field 'search_space.lr': low=0.1 is not below high=0.01"),
+                       ({"max_parallel_trials": 9}, "config field 'max_parallel_trials': 9 is not between 1 and "
+                                                    "trials=6")):
+        status, body, reached = _request(check, path, json.dumps({"conf": conf}).encode())
+        assert (status, reached) == (400, []), body
+        assert json.loads(body)["detail"].startswith(says), body
+    status, _, reached = _request(check, path, json.dumps({"conf": {"trials": 8}}).encode())
+    assert status == 200 and len(reached) == 1

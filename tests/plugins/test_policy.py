@@ -274,3 +274,17 @@ def test_register_dataset_writes_only_where_the_policy_lets_datasets_be(team, tm
     with pytest.raises(AirflowFailException, match=r"'dataset_uri'.*rule data.dataset_uri.*'/data', 's3://team-a-data'"):
         dataset_tasks.register_dataset(params)
     assert not target.exists()
+
+
+def test_a_sweep_is_bounded_by_the_policys_sweeps_block():
+    rules = policy.parse("sweeps: {trials: 20, parallel_trials: 2, total_steps: 4000}\n", "p.yaml")
+    policy.check_sweep(20, 2, 200, rules)  # exactly at every bound
+    for args, field, rule, allowed in (((21, 2, 100), "trials", "sweeps.trials", "at most 20"),
+                                       ((10, 3, 100), "max_parallel_trials", "sweeps.parallel_trials", "at most 2"),
+                                       ((12, 2, 400), "trials", "sweeps.total_steps", "at most 10 trials of 400 steps")):
+        with pytest.raises(policy.PolicyError) as err:
+            policy.check_sweep(*args, rules)
+        assert (err.value.field, err.value.rule) == (field, rule) and allowed in str(err.value), str(err.value)
+    policy.check_sweep(1000, 64, 10**6, policy.PERMISSIVE)  # no file: no bound
+    with pytest.raises(policy.PolicyFileError, match="key sweeps.trial: is not a key of the policy"):
+        policy.parse("sweeps: {trial: 3}\n", "p.yaml")

@@ -206,8 +206,9 @@ def record_ranks(run_id: str, output_dir: Path) -> dict[str, str]:
 
 
 @fails_fast
-def run_torchrun(params: dict[str, Any], validated: Validated) -> dict[str, Any]:
-    """Start torchrun with ``world_size`` ranks; a retry resumes from the newest checkpoint that verifies."""
+def run_torchrun(params: dict[str, Any], validated: Validated, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Start torchrun with ``world_size`` ranks; a retry resumes from the newest checkpoint that verifies.
+    ``extra_env``: more environment of the ranks (a sweep trial's study)."""
     from training.distributed.launch import torchrun_command
     from training.metrics.live import DAG_RUN_ENV, EXPERIMENT_ENV
     from training.tracking.relay import RELAY_ENV
@@ -235,7 +236,8 @@ def run_torchrun(params: dict[str, Any], validated: Validated) -> dict[str, Any]
     # The ranks' metric labels: the experiment and the DAG run (Airflow sets AIRFLOW_CTX_* for the task).
     env = rank_env(nproc, {**store_env(params), "MLFLOW_RUN_ID": run_id, EXPERIMENT_ENV: str(params["experiment"]),
                            DAG_RUN_ENV: os.environ.get("AIRFLOW_CTX_DAG_RUN_ID", ""),
-                           "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"], RELAY_ENV: "stdout"})
+                           "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"], RELAY_ENV: "stdout",
+                           **(extra_env or {})})
     result = run_streaming(cmd, env=env, cwd=settings.PROJECT_ROOT, relay_run_id=run_id)
     if result.returncode != 0:
         record_ranks(run_id, run_dir / "output")
@@ -244,7 +246,7 @@ def run_torchrun(params: dict[str, Any], validated: Validated) -> dict[str, Any]
     summary = json.loads((run_dir / "output" / "train_summary.json").read_text())
     run_logger(run_id).log_summary({"torchrun_wall_s": result.wall_s})
     return {**validated, "checkpoint_uri": summary["checkpoint_uri"], "final_step": summary["final_step"],
-            "torchrun_wall_s": result.wall_s}
+            "torchrun_wall_s": result.wall_s, "pruned_at": summary.get("pruned_at")}
 
 
 def checkpoint_dir(params: dict[str, Any], run_id: str) -> str:
