@@ -123,7 +123,7 @@ def _child_run(params: dict[str, Any], parent: str, trial: Any, study_name: str)
 
     from training.results.bench import TAG_PARENT
 
-    known = trial.user_attrs.get("mlflow_run_id") if hasattr(trial, "user_attrs") else None
+    known = trial.user_attrs.get("mlflow_run_id")
     if known:
         return known
     client = MlflowClient()

@@ -29,15 +29,14 @@ class TrialPruning:
         if info.is_main:
             import optuna
 
+            from training.sweep.space import Search
             from training.sweep.study import storage
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
-            from training.sweep.space import Search
-
+            loaded = optuna.load_study(study_name=study, storage=storage(storage_url))
             # The sweep's own pruner, from the settings the study keeps (load_study's default is another).
-            kept = optuna.load_study(study_name=study, storage=storage(storage_url)).user_attrs["search"]
-            search = Search(**{k: v for k, v in kept.items() if k in Search.__dataclass_fields__})
-            loaded = optuna.load_study(study_name=study, storage=storage(storage_url), pruner=search.pruner_object())
+            kept = loaded.user_attrs["search"]
+            loaded.pruner = Search(**{k: v for k, v in kept.items() if k in Search.__dataclass_fields__}).pruner_object()
             self.trial = optuna.trial.Trial(loaded, trial_id)
 
     def on_eval(self, step: int, figures: dict[str, float]) -> None:
@@ -62,8 +61,8 @@ class TrialPruning:
             if self.info.is_main:
                 from training import log
 
-                log.logger.info(f"sweep: pruned at step {step} ({self.objective} {figures.get(self.objective)}): the trial "
-                         "stops here and keeps this step's checkpoint")
+                log.logger.info(f"sweep: pruned at step {step} ({self.objective} {figures.get(self.objective)}): "
+                                "the trial stops here and keeps this step's checkpoint")
 
 
 def install(trainer: Any) -> TrialPruning | None:

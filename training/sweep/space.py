@@ -15,16 +15,16 @@ nothing here searches by hand.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 from training.config.fields import _ARTICLE, ConfigError, specs
-from training.config.train_config import TrainConfig
+from training.config.train_config import TASK_METRICS, TrainConfig, higher_is_better, metric_task
 
 SAMPLERS = ("tpe", "random", "grid")
 PRUNERS = ("asha", "none")
 OBJECTIVES = ("auto", "eval/accuracy", "eval/loss", "eval/r2", "eval/rmse", "eval/bits_per_byte")
-LOWER_IS_BETTER = ("eval/loss", "eval/rmse", "eval/bits_per_byte")
 # Where a sweep's trials take their values from, never from the space: they say where a trial's
 # files go, what it reads, or how many ranks it has (the base run's, the same for every trial).
 NOT_SEARCHABLE = ("dataset_uri", "label_column", "feature_columns", "task", "text_column", "validation_fraction",
@@ -38,20 +38,20 @@ def _where(name: str) -> str:
 
 
 def objective_for(objective: str, task: str) -> str:
-    """The metric the sweep optimizes: ``auto`` is accuracy for a classifier, R² for a regressor
-    and bits per byte for a language model; a metric the task does not measure is refused."""
-    measured = {"classification": ("eval/accuracy", "eval/loss"), "regression": ("eval/r2", "eval/rmse", "eval/loss"),
-                "language_modeling": ("eval/bits_per_byte", "eval/loss")}[task]
+    """The metric the sweep optimizes: ``auto`` is the registry gate's default for the task
+    (accuracy, R², bits per byte); a metric the task does not measure is refused."""
+    from training.results.registry import DEFAULT_GATE_METRIC
+
     if objective == "auto":
-        return measured[0]
-    if objective not in measured:
-        raise ConfigError("objective", f"{objective} is not measured for {task}", f"use one of {', '.join(measured)} "
-                          "or auto")
+        return DEFAULT_GATE_METRIC[task]
+    if metric_task(objective) not in (None, task):
+        raise ConfigError("objective", f"{objective} is not measured for {task}",
+                          f"use {TASK_METRICS[task]}, eval/loss or auto")
     return objective
 
 
 def direction_of(metric: str) -> str:
-    return "minimize" if metric in LOWER_IS_BETTER else "maximize"
+    return "maximize" if higher_is_better(metric) else "minimize"
 
 
 def distributions(space: Any, base: dict[str, Any]) -> dict[str, Any]:
@@ -228,6 +228,7 @@ class Search:
                                                       min_early_stopping_rate=0)
 
 
+@functools.lru_cache(maxsize=1)
 def _grid_class():
     import optuna
 
