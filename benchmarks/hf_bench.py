@@ -5,6 +5,13 @@ same token windows, same global batch and sequence length, fp32, same recipe. Go
 
     .venv/bin/python benchmarks/hf_bench.py [--steps 60] [--warmup 10] [--repeats 3] [--batch-size 16] [--seq-len 128]
     .venv/bin/python benchmarks/hf_bench.py --n-embd 384 --n-layer 6 --vocab 4096   # a larger model
+    .venv/bin/python benchmarks/hf_bench.py --adapter lora --lora-r 8   # LoRA: ours vs Trainer + peft, vs our full
+
+With ``--adapter lora`` both sides train the same LoRA adapters (``lora_r``, alpha 2r, dropout 0,
+peft's default targets: GPT-2's ``c_attn``): ours with ``adapter=lora``, HF's Trainer on
+``peft.get_peft_model`` of the same folder; each round also runs our full fine-tune of the same
+model, and the summary gives LoRA's throughput and peak memory (the ranks' resident set, from
+``train_summary.json``) against it.
 
 ``transformers`` and ``accelerate`` are benchmark-only dependencies (requirements-bench.txt).
 
@@ -142,17 +149,21 @@ def recipe(a) -> dict:
             "seed": a.seed}
 
 
-def ours_rate(a, folder: Path, shards: str, tmp: Path, i: int) -> tuple[float, float]:
-    """(samples/s after the warm-up steps, last window's loss) of our trainer."""
-    out_dir = tmp / f"out{i}"
+def ours_rate(a, folder: Path, shards: str, tmp: Path, i: int, adapter: str = "none") -> tuple[float, float]:
+    """(samples/s after the warm-up steps, last window's loss) of our trainer; its peak resident set
+    (the largest rank's) in ``a.peak``."""
+    out_dir = tmp / f"out{i}-{adapter}"
     sets = {"model": f"hf:{folder}", "dataset_uri": tmp / "data", "text_column": "text", "token_shards": shards,
             "seq_len": a.seq_len, "batch_size": a.batch_size, "steps": a.steps, "strategy": "ddp",
             "precision": "fp32", "log_every": a.warmup, "checkpoint_every": 0, "target_metric": "none",
-            "eval_every": 0, "checkpoint_dir": tmp / f"ck{i}", "output_dir": out_dir, **recipe(a)}
+            "eval_every": 0, "checkpoint_dir": tmp / f"ck{i}-{adapter}", "output_dir": out_dir, **recipe(a)}
+    if adapter != "none":
+        sets.update(adapter=adapter, lora_r=a.lora_r, lora_alpha=2 * a.lora_r, lora_dropout=0.0)
     out = _torchrun(a.world, [x for k, v in sets.items() for x in ("--set", f"{k}={v}")])
     if not PROGRESS.search(out):
         raise RuntimeError(f"no progress line in our trainer's output:\n{out[-3000:]}")
     t = {r["step"]: r["t"] for r in map(json.loads, (out_dir / "steps.jsonl").read_text().splitlines())}
+    a.peak = json.loads((out_dir / "train_summary.json").read_text())["peak_mem_bytes_max"]
     return a.batch_size * (a.steps - a.warmup) / (t[a.steps] - t[a.warmup]), float(LOSS.findall(out)[-1])
 
 
@@ -161,7 +172,8 @@ def hf_rate(a, folder: Path, shards: str, tmp: Path, i: int) -> tuple[float, flo
     args = ["--hf-worker", "--folder", str(folder), "--shards", shards, "--out", str(tmp / f"hf{i}"), "--steps", str(a.steps), "--warmup",
             str(a.warmup), "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--lr", str(a.lr),
             "--weight-decay", str(a.weight_decay), "--lr-warmup", str(a.lr_warmup), "--grad-clip", str(a.grad_clip),
-            "--seed", str(a.seed), *(["--hf-no-find-unused"] if a.hf_no_find_unused else [])]
+            "--seed", str(a.seed), *(["--hf-no-find-unused"] if a.hf_no_find_unused else []),
+            "--adapter", a.adapter, "--lora-r", str(a.lora_r)]
     out = _torchrun(a.world, args, entry=[str(Path(__file__).resolve())])
     m = HF_LINE.findall(out)
     if not m:
@@ -208,6 +220,11 @@ def hf_worker(a) -> None:
 
     clock = Clock()
     model = AutoModelForCausalLM.from_pretrained(a.folder, local_files_only=True, dtype=torch.float32)
+    if a.adapter == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, lora_dropout=0.0,
+                                                 task_type="CAUSAL_LM"))
     targs = TrainingArguments(
         output_dir=a.out, per_device_train_batch_size=a.batch_size // world,
         max_steps=a.steps, learning_rate=a.lr, weight_decay=a.weight_decay, warmup_steps=a.lr_warmup,
@@ -249,6 +266,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=TrainConfig.seed)
     ap.add_argument("--hf-no-find-unused", action="store_true",
                     help="HF: ddp_find_unused_parameters=False (its default for a PreTrainedModel is True)")
+    ap.add_argument("--adapter", choices=["none", "lora"], default="none", help="lora: both sides train LoRA adapters")
+    ap.add_argument("--lora-r", type=int, default=8)
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder (model, shards, run records)")
     ap.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
@@ -290,14 +309,26 @@ def _rounds(a, tmp: Path) -> int:
           f"not timed), {n_windows} train windows; torch {torch.__version__}, transformers {transformers.__version__}, "
           f"accelerate {accelerate.__version__}, OMP_NUM_THREADS={_env()['OMP_NUM_THREADS']}  "
           f"[load {os.getloadavg()[0]:.2f}]", flush=True)
-    ratios = []
+    ratios, vs_full, mem = [], [], []
     for i in range(a.repeats):
-        ours, ours_loss = ours_rate(a, folder, shards, tmp, i)
+        ours, ours_loss = ours_rate(a, folder, shards, tmp, i, a.adapter)
+        peak = a.peak
         hf, hf_loss = hf_rate(a, folder, shards, tmp, i)
         ratios.append(ours / hf)
-        print(f"  round {i + 1}: ours {ours:7.2f} samples/s (loss {ours_loss:.3f}) | HF Trainer {hf:7.2f} samples/s "
-              f"(loss {hf_loss:.3f}) | ours/HF {ours / hf:.3f}  [load {os.getloadavg()[0]:.2f}]", flush=True)
-    print(f"ours / HF Trainer (median of {a.repeats} rounds): {statistics.median(ratios):.3f}  (goal >= 1.1)")
+        line = (f"  round {i + 1}: ours {ours:7.2f} samples/s (loss {ours_loss:.3f}) | HF Trainer {hf:7.2f} samples/s "
+                f"(loss {hf_loss:.3f}) | ours/HF {ours / hf:.3f}")
+        if a.adapter != "none":
+            full, full_loss = ours_rate(a, folder, shards, tmp, i)
+            vs_full.append(ours / full)
+            mem.append(peak / a.peak)
+            line += (f" | ours full fine-tune {full:7.2f} samples/s (loss {full_loss:.3f}), LoRA/full: throughput "
+                     f"{ours / full:.3f}, peak memory {peak / 2**20:.0f}/{a.peak / 2**20:.0f} MiB = {peak / a.peak:.3f}")
+        print(f"{line}  [load {os.getloadavg()[0]:.2f}]", flush=True)
+    what = "" if a.adapter == "none" else f" ({a.adapter} r={a.lora_r} on both)"
+    print(f"ours / HF Trainer{what} (median of {a.repeats} rounds): {statistics.median(ratios):.3f}  (goal >= 1.1)")
+    if vs_full:
+        print(f"LoRA / full fine-tune, ours (medians): throughput {statistics.median(vs_full):.3f}, "
+              f"peak memory per rank {statistics.median(mem):.3f}")
     return 0
 
 

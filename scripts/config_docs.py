@@ -37,7 +37,7 @@ def _defaults() -> dict[str, str]:
 
 
 def configuration_md() -> str:
-    from training.config.train_config import ADVANCED, TEXT, TrainConfig
+    from training.config.train_config import ADAPT, ADVANCED, TEXT, TrainConfig
     from training.config.fields import markdown_table, specs
     from training_airflow.backends.kubernetes.params import KubernetesParams
     from training_airflow.params import RunParams
@@ -46,6 +46,7 @@ def configuration_md() -> str:
     main = [n for n, s in trainer.items() if s.form and s.section is None]
     advanced = [n for n, s in trainer.items() if s.form and s.section == ADVANCED]
     text = [n for n, s in trainer.items() if s.form and s.section == TEXT]
+    adapt = [n for n, s in trainer.items() if s.form and s.section == ADAPT]
     internal = [n for n, s in trainer.items() if not s.form]
     form = _defaults()
     differ = ", ".join(f"`{k}` = `{v}`" for k, v in form.items())
@@ -71,6 +72,10 @@ MLflow tags on every run, so the compare view lines runs up by them.
 ## Trainer: text (form section "{TEXT}")
 
 {markdown_table(TrainConfig, names=text)}
+
+## Trainer: adapt a pretrained model (form section "{ADAPT}")
+
+{markdown_table(TrainConfig, names=adapt)}
 
 ## Trainer: advanced (form section "{ADVANCED}")
 

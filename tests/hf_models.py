@@ -70,3 +70,24 @@ def bert_folder(path: Path) -> Path:
     BertForSequenceClassification(config).save_pretrained(path)
     fast.save_pretrained(path)
     return path
+
+
+def llama_folder(path: Path, *, num_labels: int | None = None) -> Path:
+    """A Llama-style LM (2 blocks of width 64, grouped-query attention, random weights saved with
+    ``save_pretrained``) with the BPE tokenizer; ``num_labels``: a sequence classifier instead."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+    tok = _tokenizer([])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, bos_token=EOT, pad_token=EOT)
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=tok.token_to_id(EOT), eos_token_id=tok.token_to_id(EOT),
+                         pad_token_id=tok.token_to_id(EOT), tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if num_labels:
+        config.num_labels = num_labels
+        LlamaForSequenceClassification(config).save_pretrained(path)
+    else:
+        LlamaForCausalLM(config).save_pretrained(path)
+    fast.save_pretrained(path)
+    return path

@@ -75,6 +75,9 @@ NOT_RUN = {
     "make install": "installs into .venv, which every test already runs in",
     "make demo": "tests/e2e/test_demo.py runs it from a clean shell",
     "make test": "the test suite itself",
+    ".venv/bin/python scripts/demo.py --set dataset_uri=var/data/python-help --set text_column=text --set "
+    "model=hf:/models/my-llama --set adapter=lora": "the same DAG as the GPT-2 command; tests/e2e/test_hf_pipeline.py "
+    "runs LoRA on a Llama-style folder through it, tests/training/test_lora.py the trainer's side",
     ".venv/bin/airflow dags trigger training_sweep": "needs the running scheduler; tests/e2e/test_sweep_dag.py runs "
     "the sweep DAG (dag.test) and tests/plugins/test_conf_check.py the trigger-time check of its search",
     ".venv/bin/python scripts/project_env.py .venv/bin/python benchmarks/gpu_check.py": "needs a CUDA machine; "

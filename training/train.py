@@ -105,7 +105,8 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None,
     # read here, and for a table one pass, row group by row group, for its statistics.
     train, blocks = dataset.stream("train", cfg.shuffle_window)
     spec = ModelSpec.for_data(cfg.model, meta, hidden=cfg.hidden, depth=cfg.depth, n_heads=cfg.n_heads,
-                              dropout=cfg.dropout, model_args=cfg.model_args, train=train)
+                              dropout=cfg.dropout, model_args=cfg.model_args, train=train,
+                              adapter=cfg.adapter_spec())
     # The model first (on two rows; on the meta device under fsdp): a broken factory is named as such,
     # then the memory preflight counts the model that was checked.
     check_model(spec, train.features[:2], strategy=cfg.strategy)
@@ -158,7 +159,9 @@ class Trainer:
         # The fused AdamW kernel, one call per step instead of a Python loop over the parameters
         # (a seventh of the demo MLP's step on one CPU core). FSDP2's sharded DTensor parameters take
         # it too: 6-12% of a small decoder's FSDP step on CPU (docs/benchmarks.md).
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+        # Only what trains: with an adapter the frozen base has no gradients and no AdamW state.
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.scaler = precision.grad_scaler(cfg.precision, info.device)

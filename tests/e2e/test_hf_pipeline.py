@@ -1,6 +1,7 @@
 """The Hugging Face models people fine-tune, through the whole DAG (dag.test, 2 gloo ranks): a GPT-2
 style causal LM fine-tuned from its folder's weights with the folder's own tokenizer, exported as a
-folder ``from_pretrained`` loads; a BERT-style classifier on labelled text; a hub id refused."""
+folder ``from_pretrained`` loads; a BERT-style classifier on labelled text; LoRA adapters on a
+Llama-style folder classifying named classes under FSDP; a hub id refused."""
 
 import math
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from tests.e2e.test_text_pipeline import TEXT, _run
-from tests.hf_models import bert_folder, gpt2_folder
+from tests.hf_models import bert_folder, gpt2_folder, llama_folder
 from training.config.fields import ConfigError
 from training.data.synthetic import make_text_dataset
 from training.results.text_model import load_text_folder, predict_text
@@ -83,6 +84,39 @@ def test_a_bert_classifier_on_labelled_text_and_a_config_only_folder(airflow_db,
                                 "experiment": "hf-config", "store_uri": (tmp_path / "s2").as_uri()})
     assert set(states.values()) == {"success"}, states
     assert run.data.metrics["eval/loss"] > math.log(512) - 1.0, "random weights after 10 steps"
+
+
+def test_lora_on_a_llama_folder_classifies_named_classes_under_fsdp(airflow_db, help_text, tmp_path, monkeypatch):
+    """The form's "Adapt a model" fields: the base frozen, the adapters and the new head trained on 2
+    ranks with FSDP; the registered (merged) model answers with class names, and the adapter folder on
+    the base model answers as the merged one does."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = llama_folder(tmp_path / "llama")
+    states, client, run = _run({**HF, "model": f"hf:{folder}", "dataset_uri": str(help_text / "classes"),
+                                "adapter": "lora", "lora_r": 8, "lora_alpha": 16, "strategy": "fsdp", "steps": 40,
+                                "lr": 3e-3, "experiment": "hf-lora", "store_uri": (tmp_path / "store").as_uri()})
+    assert set(states.values()) == {"success"}, states
+    p, tags = run.data.params, run.data.tags
+    assert p["adapter"] == "lora" and tags["adapter"] == "lora"
+    assert 0 < float(p["trainable_share"]) < 0.1 and int(p["n_trainable_params"]) < int(p["n_params"])
+    assert run.data.metrics["eval/accuracy"] > 0.7, run.data.metrics
+    served = mlflow.pyfunc.load_model("models:/hf-lora@champion").predict(
+        pd.DataFrame({"text": [">>> import os\n>>> os.getcwd()", "The import statement finds and loads a module."]}))
+    assert set(served) <= {"code", "prose"}, served
+    version = client.get_model_version_by_alias("hf-lora", "champion")
+    assert version.tags["adapter"] == "lora" and version.tags["adapter.base_model"] == f"hf:{folder}"
+    assert len(version.tags["adapter.base_sha256"]) == 64
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    step = tags["checkpoint.uri"].rsplit("/", 1)[-1]
+    exported = tmp_path / "store" / "hf-lora" / run.info.run_id / step
+    merged = AutoModelForSequenceClassification.from_pretrained(exported, local_files_only=True).eval()
+    base = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2, local_files_only=True)
+    adapted = PeftModel.from_pretrained(base, exported / "adapter", local_files_only=True).eval()
+    x = torch.tensor([AutoTokenizer.from_pretrained(folder)("The import statement")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=x).logits, merged(input_ids=x).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_a_hub_id_is_refused_naming_the_download(tmp_path):

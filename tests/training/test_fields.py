@@ -31,7 +31,8 @@ def _other_value(spec):
 
 def test_every_field_round_trips_through_set_arguments():
     values = {name: _other_value(spec) for name, spec in specs(TrainConfig).items()}
-    values.update(dataset_uri="/data/x", strategy="ddp", precision="fp32", comm_hook="fp16", model="my_models.lm:build",
+    values.update(dataset_uri="/data/x", strategy="ddp", precision="fp32", comm_hook="fp16", model="hf:/models/llama",
+                  lora_targets="q_proj,v_proj",
                   target_metric="eval/accuracy", target_value=0.5, eval_every=5,
                   metrics_host="0.0.0.0", dp_replicate=1, dp_shard=-1)  # ddp (for comm_hook) has no mesh to shape
     args = set_args(TrainConfig, values)

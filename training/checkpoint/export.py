@@ -27,7 +27,8 @@ MODEL_FILE = "model.safetensors"
 MODEL_CONFIG_FILE = "model_config.json"
 TOKENIZER_FILE = "tokenizer.json"  # a language model's tokenizer, exported beside it
 HF_CONFIG_FILE = "config.json"  # an hf: model's: the folder is what from_pretrained loads
-EXPORTED = (MODEL_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE, HF_CONFIG_FILE)  # the files of an export that exist
+ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")  # an adapter's, as peft saves it
+EXPORTED = (MODEL_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE, HF_CONFIG_FILE, *ADAPTER_FILES)  # the files of an export that exist
 CHECKPOINT_MODEL = "train.model."  # the model's tensors in a trainer checkpoint (TrainState, flattened by DCP)
 
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]  # file name -> dtype, shape, in any order
@@ -112,16 +113,51 @@ def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path 
     path = Path(path)
     if main:
         path.mkdir(parents=True, exist_ok=True)
+    adapted = getattr(inner, "adapter", None) is not None
+    merge = {}
+    if adapted:  # the adapters first, to their own folder; the merged model then
+        from training.models.hf import ADAPTER_DIR, merged, merges
+
+        merge = merges(inner)
+        _export_adapter(state, inner, spec, path / ADAPTER_DIR, main)
 
     def whole():
         for name in order(layout):
-            t = state[by_file[name]]
-            yield name, t.full_tensor() if hasattr(t, "full_tensor") else t
+            key = by_file[name]
+            t = _whole(state[key])
+            if key in merge:
+                a, b, scaling, transposed = merge[key]
+                t = merged(t, _whole(state[a]), _whole(state[b]), scaling, transposed)
+            yield name, t
 
     write_streamed(path / MODEL_FILE if main else None, layout, whole(), _file_metadata(spec))
     if main:
+        if adapted:
+            import dataclasses
+
+            from training.models.hf import merged_arch
+
+            spec = dataclasses.replace(spec, arch=merged_arch(spec.arch, spec.model))
         _write_beside(path, spec, tokenizer_file)
     dist.barrier()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _export_adapter(state: dict[str, torch.Tensor], model, spec: ModelSpec, path: Path, main: bool) -> None:
+    """Collective: the trained adapters (and a classifier's head) as peft saves them, gathered whole
+    one at a time on every rank (they are small), written by rank 0 with their ``adapter_config.json``."""
+    from training.models.hf import adapter_names, folder, write_adapter_config
+
+    names = adapter_names(list(state), model)
+    layout = {f: (state[k].dtype, tuple(state[k].shape)) for k, f in names.items()}
+    by_file = {f: k for k, f in names.items()}
+    if main:
+        write_adapter_config(path, model, str(folder(spec.model)))
+    write_streamed(path / "adapter_model.safetensors" if main else None, layout,
+                   ((f, _whole(state[by_file[f]])) for f in order(layout)), {"format": "pt"})
 
 
 def _file_names(state_names: list[str], model, spec: ModelSpec) -> dict[str, str]:

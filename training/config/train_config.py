@@ -31,6 +31,8 @@ MODEL_KIND = {"mlp": "tabular", "cnn": "images", "transformer": "tokens"}
 MODEL_PATTERN = r"^(mlp|cnn|transformer|hf:.+|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$"
 ADVANCED = "Trainer (advanced)"
 TEXT = "Text"
+ADAPT = "Adapt a model"
+LORA_TARGETS_PATTERN = r"^([A-Za-z0-9_]+(,[A-Za-z0-9_]+)*|all-linear)?$"
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 EVAL_METRICS = ("eval/accuracy", "eval/loss", "eval/r2", "eval/rmse")
 
@@ -119,6 +121,21 @@ class TrainConfig:
     model_args: dict[str, Any] = knob(
         {}, "a JSON object handed to a factory model untouched, as spec['model_args'] (and recorded with the model)",
         title="Model arguments")
+    adapter: Literal["none", "lora"] = knob(
+        "none", "an hf: model's weights stay frozen and low-rank adapters train beside them (LoRA through peft); "
+        "a classifier's new head trains too. The export holds the adapter folder (PeftModel.from_pretrained on the "
+        "base) and the merged model (from_pretrained), with the base's path and sha256", title="Adapter", tag=True,
+        section=ADAPT)
+    lora_r: int = knob(8, "LoRA rank: the inner width of each adapter (trainable parameters grow with it)",
+                       title="LoRA rank", minimum=1, maximum=4096, section=ADAPT)
+    lora_alpha: float = knob(16.0, "LoRA scaling numerator: an adapter's update is scaled by lora_alpha / lora_r",
+                             title="LoRA alpha", exclusive_minimum=0, maximum=1e6, section=ADAPT)
+    lora_dropout: float = knob(0.0, "dropout on the adapters' input while training", title="LoRA dropout", minimum=0,
+                               maximum=0.95, section=ADAPT)
+    lora_targets: str | None = knob(
+        None, "comma-separated names of the modules that get adapters (e.g. q_proj,k_proj,v_proj,o_proj), or all-linear; "
+        "empty: peft's default for the architecture (Llama/Qwen/Mistral: q_proj,v_proj; GPT-2: c_attn; BERT: "
+        "query,value)", title="LoRA target modules", pattern=LORA_TARGETS_PATTERN, section=ADAPT)
     strategy: Literal["ddp", "fsdp"] = knob(
         "ddp", "ddp: a replica per rank, bucketed all-reduce overlapped with backward; fsdp: FSDP2 fully_shard per "
         "block (parameters, gradients and optimizer state sharded)", title="Strategy", tag=True)
@@ -301,6 +318,15 @@ class TrainConfig:
             raise ConfigError("comm_hook", "bf16 gradient compression needs CUDA (gloo has no bf16 all-reduce)",
                               "use comm_hook=fp16 on CPU, or run on GPUs")
 
+    def adapter_spec(self) -> dict[str, Any] | None:
+        """The adapter the model is built with (``ModelSpec.arch["adapter"]``), None without one."""
+        if self.adapter == "none":
+            return None
+        names = self.lora_targets or ""
+        targets = [t for t in names.split(",") if t] if names != "all-linear" else "all-linear"
+        return {"type": self.adapter, "r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
+                "targets": targets or None}
+
     @property
     def has_target(self) -> bool:
         return self.target_metric != "none"
@@ -337,6 +363,10 @@ def check_rules(cfg: TrainConfig) -> None:
                           f"dp_replicate={cfg.dp_replicate}, dp_shard={cfg.dp_shard} shape FSDP's mesh but strategy is "
                           "ddp (a whole replica on every rank)", "use strategy=fsdp for HSDP, or leave dp_replicate=1 "
                           "and dp_shard=-1")
+    if cfg.adapter != "none" and not cfg.model.startswith("hf:"):
+        raise ConfigError("adapter", f"{cfg.adapter} adapts a pretrained Hugging Face model, but model is {cfg.model!r}",
+                          "use model=hf:<folder with config.json and model.safetensors>, or adapter=none to train "
+                          "every weight")
     if cfg.precision == "fp16" and cfg.strategy == "fsdp":
         raise ConfigError("precision", "fp16 with fsdp is not supported (loss scaling of sharded gradients)",
                           "use precision=bf16 with fsdp, or strategy=ddp for fp16")

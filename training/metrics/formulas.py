@@ -10,11 +10,13 @@ from typing import Any
 from training.config.train_config import higher_is_better
 
 
-def flops_per_sample(spec: Any, n_params: int) -> float:
+def flops_per_sample(spec: Any, n_params: int, trainable: int | None = None) -> float:
     """Training FLOPs per sample (forward + backward = 3x forward), the usual 6*N*tokens rule for the
     transformer plus attention (12 * layers * seq * d per token), 6*N for the dense models
     (the CNN's conv FLOPs are counted from its output map size). A user's model is counted by the
-    parameter rule (per token for tokens): exact for dense layers, an undercount for convolutions."""
+    parameter rule (per token for tokens): exact for dense layers, an undercount for convolutions.
+    ``trainable``: with a frozen base (an adapter) backward computes the activations' gradients
+    through every weight but weight gradients for the trained ones only: 4*N + 2*trainable."""
     if spec.model == "transformer":
         t = spec.seq_len
         return 6.0 * n_params * t + 12.0 * spec.arch["n_layers"] * t * t * spec.arch["d_model"]
@@ -22,8 +24,9 @@ def flops_per_sample(spec: Any, n_params: int) -> float:
         c, h, w = spec.image_shape
         conv = 2 * (h * w * 32 * c * 9) + 2 * (h * w * 64 * 32 * 9)
         return 3.0 * conv + 6.0 * n_params
+    per_param = 6.0 * n_params if trainable is None else 4.0 * n_params + 2.0 * trainable
     if spec.kind in ("tokens", "text"):  # another model over tokens: the parameter rule per token
-        return 6.0 * n_params * spec.seq_len
+        return per_param * spec.seq_len
     return 6.0 * n_params
 
 

@@ -33,7 +33,7 @@ ALLOCATOR_SHARE = {"cpu": 0.1, "cuda": 0.25}
 # FSDP2 holds a unit's full parameters while the next is prefetched and, in backward, its full
 # gradients beside them (measured: benchmarks/peak_memory_bench.py).
 FSDP_UNITS_HELD = 3
-_VERSION = 2  # of the cached activation counts: bump when what is counted changes
+_VERSION = 3  # of the cached activation counts: bump when what is counted changes
 
 
 @dataclass
@@ -89,6 +89,11 @@ class StepCount:
     largest_unit_numel: int  # the largest FSDP unit (a block), parameters
     root_numel: int  # the parameters in no unit (embedding, head, norms): the root's FSDP group
     activation_bytes: int  # the step's peak of what is neither parameter nor gradient: saved tensors, temporaries
+    trainable_numel: int = -1  # the parameters that train (an adapter's, not its frozen base); -1: all of them
+
+    @property
+    def trained(self) -> int:
+        return self.param_numel if self.trainable_numel < 0 else self.trainable_numel
 
 
 def _activation_tracker():
@@ -130,6 +135,9 @@ def count_step(spec, example_shape: tuple[int, ...], example_dtype: str, *, micr
         in_units = {id(p) for u in units for p in u.parameters()}
         root_numel = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
         params = list(model.parameters())
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        for p in params:  # MemTracker hooks every parameter's gradient; a frozen base's saved inputs are
+            p.requires_grad_(True)  # still kept for the adapters' backward, and gradients are not activations
         x = torch.zeros((micro_batch, *example_shape), dtype=getattr(torch, example_dtype))
         y = torch.zeros((micro_batch,), dtype=getattr(torch, label_dtype)) if label_dtype else None
         inputs, target = split_batch(spec.kind, x, y)
@@ -144,7 +152,7 @@ def count_step(spec, example_shape: tuple[int, ...], example_dtype: str, *, micr
         return StepCount(param_bytes=sum(p.numel() * p.element_size() for p in params),
                          param_numel=sum(p.numel() for p in params),
                          largest_unit_numel=max(unit_params, default=0), root_numel=root_numel,
-                         activation_bytes=int(tracker.activation_peak))
+                         activation_bytes=int(tracker.activation_peak), trainable_numel=trainable)
 
 
 def cached_count(spec, example_shape, example_dtype, **kw) -> StepCount:
@@ -208,13 +216,14 @@ def estimate_from(c: StepCount, cfg, *, world_size: int, device: str, data_bytes
     """The terms from a step's count: the sizing rules of DDP, FSDP2 and AdamW."""
     # Sharded over one row of the mesh: every rank under plain FSDP, dp_shard ranks under HSDP.
     n = cfg.mesh_shape(world_size)[1] if cfg.strategy == "fsdp" else 1
-    fp32 = c.param_numel * 4
+    trained = c.trained * 4  # gradients and AdamW state exist for these only (an adapter's, not its frozen base)
     if cfg.strategy == "fsdp":
         # Every rank holds 1/N of each unit (padded to N equal shards); the units' full
         # parameters (in bf16 under mixed precision) exist while they compute, the root's all step.
         full = 2 if cfg.precision == "bf16" else 4
         units = (FSDP_UNITS_HELD * c.largest_unit_numel + c.root_numel) * full
-        units += (c.largest_unit_numel + c.root_numel) * 4  # a unit's full gradients before reduce-scatter
+        # a unit's full gradients before reduce-scatter (the trained share of them)
+        units += math.ceil((c.largest_unit_numel + c.root_numel) * 4 * c.trained / max(1, c.param_numel))
     else:
         units = 0
     acts = c.activation_bytes
@@ -223,19 +232,19 @@ def estimate_from(c: StepCount, cfg, *, world_size: int, device: str, data_bytes
         "data": int(data_bytes) if device == "cpu" else 0,
         "parameters": math.ceil(c.param_bytes / n),
         # DDP's gradients are views into its buckets, kept between steps; FSDP2's are sharded.
-        "gradients": math.ceil(fp32 / n),
-        "optimizer": math.ceil(2 * fp32 / n),  # AdamW: exp_avg and exp_avg_sq in fp32
+        "gradients": math.ceil(trained / n),
+        "optimizer": math.ceil(2 * trained / n),  # AdamW: exp_avg and exp_avg_sq in fp32
         "fsdp_units": int(units),
         # PowerSGD: its error feedback (a gradient's size, kept between steps) and, while a bucket is
         # compressed, the copy it measures the error against.
-        "compression": 2 * fp32 if cfg.comm_hook == "powersgd" else 0,
+        "compression": 2 * trained if cfg.comm_hook == "powersgd" else 0,
         "activations": int(acts),
         "allocator": int(ALLOCATOR_SHARE.get(device, 0.5) * acts),
     }
     setup = {"strategy": cfg.strategy, "world_size": world_size, "dp_shard": n, "precision": cfg.precision,
              "activation_checkpointing": cfg.activation_checkpointing, "batch_size": cfg.batch_size,
              "grad_accum": cfg.grad_accum, "micro_batch": micro_batch, "device": device,
-             "parameters": c.param_numel, "largest_unit_parameters": c.largest_unit_numel,
+             "parameters": c.param_numel, "trained_parameters": c.trained, "largest_unit_parameters": c.largest_unit_numel,
              "root_parameters": c.root_numel}
     return Estimate(terms=terms, setup=setup)
 

@@ -72,7 +72,8 @@ class MetricsRecorder:
         self.mlflow, self.metrics_log, self.clock, self.restarts, self.phase = mlflow, metrics_log, clock, restarts, phase
         self.out = Path(cfg.output_dir) if cfg.output_dir else None
         self.n_params = sum(p.numel() for p in state.model.parameters())
-        self.flops_per_sample = flops_per_sample(spec, self.n_params)
+        self.n_trainable = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
+        self.flops_per_sample = flops_per_sample(spec, self.n_params, self.n_trainable)
         self.attempt = f"{time.time():.6f}-{os.getpid()}"  # tells this attempt's step records apart
         self.on_window: list[Callable[[dict[str, float]], None]] = []
         self.steps_done = 0  # by this attempt
@@ -137,7 +138,8 @@ class MetricsRecorder:
         if resumed_from is None:
             params, per_run = mlflow_record(cfg)
             self.mlflow.log_params({**params, "world_size": info.world_size, "backend": info.backend,
-                                    "n_params": self.n_params, "mesh": mesh})
+                                    "n_params": self.n_params, "n_trainable_params": self.n_trainable,
+                                    "trainable_share": round(self.n_trainable / max(1, self.n_params), 6), "mesh": mesh})
             self.mlflow.set_tags({**per_run, "config_hash": cfg.config_hash()})
         self.mlflow.log_text(json.dumps(cfg.to_dict(), indent=2) + "\n", "train_config.json")
 

@@ -208,6 +208,8 @@ def _check(spec: ModelSpec, example: np.ndarray, strategy: str, *, meta: bool) -
     with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
         try:
             model = build_model(spec, meta=meta)
+        except ConfigError:
+            raise  # names its own field (an adapter's target modules)
         except Exception as e:
             raise ConfigError("model", f"{name}: {type(e).__name__}: {e}", fix) from None
     try:

@@ -70,10 +70,11 @@ def default_tokenizer(model: str, env: Mapping[str, str] | None = None) -> str:
 
 
 def hf_config(model: str, *, task: str, n_classes: int, pad_id: int | None, classes: list[Any] | None = None,
-              env: Mapping[str, str] | None = None) -> dict[str, Any]:
+              env: Mapping[str, str] | None = None, adapter: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``arch`` of an hf model's spec: its ``config.json`` as the model to build (a classifier's
-    ``num_labels``, its classes as ``id2label``/``label2id`` and padding set), the class to build and
-    whether the folder has weights."""
+    ``num_labels``, its classes as ``id2label``/``label2id`` and padding set), the class to build,
+    whether the folder has weights and the adapter trained beside them (its target modules resolved:
+    peft's default for the architecture where none are named)."""
     from transformers import AutoConfig
 
     where = folder(model, env)
@@ -86,7 +87,21 @@ def hf_config(model: str, *, task: str, n_classes: int, pad_id: int | None, clas
             config.label2id = {str(c): i for i, c in enumerate(classes)}
         if pad_id is not None and pad_id < config.vocab_size:
             config.pad_token_id = pad_id
-    return {"hf_config": config.to_dict(), "hf_head": head, "pretrained": (where / WEIGHTS).is_file()}
+    arch = {"hf_config": config.to_dict(), "hf_head": head, "pretrained": (where / WEIGHTS).is_file()}
+    if adapter is not None:
+        if not arch["pretrained"]:
+            raise ConfigError("adapter", f"{model} has no {WEIGHTS}: an adapter trains beside trained weights, and "
+                              "these would be random", "give a folder save_pretrained wrote with its weights, or "
+                              "adapter=none to train every weight from random ones")
+        arch["adapter"] = {**adapter, "targets": adapter.get("targets") or default_targets(config.model_type)}
+    return arch
+
+
+def default_targets(model_type: str) -> list[str] | str:
+    """peft's LoRA target modules for an architecture (its own table), else every linear layer."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TARGETS
+
+    return list(TARGETS.get(model_type) or ()) or "all-linear"
 
 
 def _config(arch: dict[str, Any]):
@@ -115,10 +130,54 @@ class HFModel(nn.Module):
             self.model = cls.from_config(config, dtype=torch.float32)
         self.classifier = arch["hf_head"] == "sequence_classification"
         self.pad_id, self.fill_id = pad_id, config.pad_token_id if self.classifier else fill_id
+        adapter = arch.get("adapter")
+        self.adapter = adapter if adapter and not adapter.get("merged") else None  # a merged export has none
+        if self.adapter is not None:
+            self._inject(self.adapter)
+
+    def _inject(self, adapter: dict[str, Any]) -> None:
+        """LoRA layers in the target modules, through peft (``inject_adapter_in_model``: the modules keep
+        their names, the base weight moves to ``<module>.base_layer``); every other weight is frozen but
+        a classifier's head, new for the task."""
+        from unittest import mock
+
+        from peft import inject_adapter_in_model
+
+        # peft moves each new layer and adapter to its base layer's device with Module.to; here they are
+        # made beside it already (on the CPU, the meta device, or as fake tensors when the memory preflight
+        # counts), where that move does nothing but fails on fake tensors (torch swaps a fake parameter,
+        # which the base layer's other references forbid). The model is moved as a whole later.
+        try:
+            with mock.patch.object(nn.Module, "to", lambda module, *a, **k: module):
+                inject_adapter_in_model(lora_config(adapter), self.model)
+        except ValueError as e:
+            linear = sorted({n.rpartition(".")[2] for n, m in self.model.named_modules() if isinstance(m, nn.Linear)}
+                            | {n.rpartition(".")[2] for n, m in self.model.named_modules()
+                               if type(m).__name__ == "Conv1D"})
+            raise ConfigError("lora_targets", f"{adapter['targets']} do not name modules of the model ({e})",
+                              f"name some of its linear layers: {','.join(linear)}, or all-linear") from None
+        head = self.head_name
+        if head is not None:
+            for p in getattr(self.model, head).parameters():
+                p.requires_grad_(True)
+
+    @property
+    def head_name(self) -> str | None:
+        """A classifier's head (new for the task, trained beside the adapters): peft's names for it."""
+        if not self.classifier:
+            return None
+        return next((n for n in ("score", "classifier") if isinstance(getattr(self.model, n, None), nn.Module)), None)
 
     def init_module(self, _name: str, m: nn.Module) -> None:
-        """The model's own ``_init_weights`` of one module (weights materialised after sharding)."""
-        if m is not self:
+        """The model's own ``_init_weights`` of one module (weights materialised after sharding); a LoRA
+        layer's adapters as peft initialises them (A drawn, B zero: the adapted model starts as the base)."""
+        if m is self:
+            return
+        from peft.tuners.lora import LoraLayer
+
+        if isinstance(m, LoraLayer):
+            m.reset_lora_parameters(ADAPTER_NAME, True)
+        else:
             self.model._init_weights(m)
 
     @property
@@ -153,11 +212,96 @@ def write_config(arch: dict[str, Any], path: Path) -> None:
 
 def export_names(names: list[str], model: nn.Module) -> dict[str, str]:
     """The wrapper's state-dict names -> the hf model's own names in ``model.safetensors``; tied
-    weights (an LM head sharing the embedding) are stored once, under the first name."""
+    weights (an LM head sharing the embedding) are stored once, under the first name. With an
+    adapter, the adapted weights are stored merged under the base layer's own names (``merges``)
+    and the adapters themselves left out (they go to the adapter folder)."""
     from training.models.materialize import tied_parameters
 
     tied = {f"model.{k}" for k in tied_parameters(model.model)} if isinstance(model, HFModel) else set()
-    return {k: k.removeprefix("model.") for k in names if k not in tied}
+    return {k: k.removeprefix("model.").replace(".base_layer.", ".") for k in names
+            if k not in tied and ".lora_A." not in k and ".lora_B." not in k}
 
 
 EXPORT_METADATA = {"format": "pt"}  # what save_pretrained writes into the safetensors header
+
+
+# --------------------------------------------------------------------------- LoRA adapters (peft)
+
+ADAPTER_NAME = "default"  # peft's name of the one adapter; its saved files leave it out
+ADAPTER_DIR = "adapter"  # the export's adapter folder: adapter_config.json + adapter_model.safetensors
+PEFT_PREFIX = "base_model.model."  # what a PeftModel puts before the hf model's own names
+
+
+def lora_config(adapter: dict[str, Any], *, task_type: str | None = None, modules_to_save: list[str] | None = None,
+                base: str | None = None):
+    from peft import LoraConfig
+
+    return LoraConfig(r=int(adapter["r"]), lora_alpha=float(adapter["alpha"]), lora_dropout=float(adapter["dropout"]),
+                      target_modules=adapter["targets"], task_type=task_type, modules_to_save=modules_to_save,
+                      base_model_name_or_path=base)
+
+
+def adapter_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The wrapper's LoRA layers by their names in its state dict."""
+    from peft.tuners.lora import LoraLayer
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merges(model: nn.Module) -> dict[str, tuple[str, str, float, bool]]:
+    """For each adapted base weight (by its state-dict name): its adapter's A and B, their scaling and
+    whether the weight is stored transposed (GPT-2's Conv1D): the merged weight is
+    ``W + scaling * B @ A`` (transposed there), what peft's ``merge_and_unload`` computes."""
+    out = {}
+    for name, layer in adapter_layers(model).items():
+        out[f"{name}.base_layer.weight"] = (f"{name}.lora_A.{ADAPTER_NAME}.weight", f"{name}.lora_B.{ADAPTER_NAME}.weight",
+                                            float(layer.scaling[ADAPTER_NAME]), bool(getattr(layer, "fan_in_fan_out", False)))
+    return out
+
+
+def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, transposed: bool) -> torch.Tensor:
+    delta = (b.float() @ a.float()) * scaling
+    return (weight.float() + (delta.T if transposed else delta)).to(weight.dtype)
+
+
+def adapter_names(state_names: list[str], model: nn.Module) -> dict[str, str]:
+    """The wrapper's trained tensors -> their names in peft's ``adapter_model.safetensors`` (the
+    adapter's name left out, as ``PeftModel.save_pretrained`` writes them), a classifier's head
+    included (peft's ``modules_to_save``)."""
+    head = getattr(model, "head_name", None)
+    out = {}
+    for k in state_names:
+        local = k.removeprefix("model.")
+        if ".lora_A." in k or ".lora_B." in k:
+            out[k] = PEFT_PREFIX + local.replace(f".{ADAPTER_NAME}.", ".")
+        elif head is not None and local.startswith(f"{head}."):
+            out[k] = PEFT_PREFIX + local
+    return out
+
+
+def write_adapter_config(path: Path, model: nn.Module, base: str) -> None:
+    """``adapter_config.json``: the adapter as trained (its target modules as found), the task and the
+    base model's folder, so ``PeftModel.from_pretrained(AutoModel...from_pretrained(base), path)`` loads it."""
+    targets = sorted({n.rpartition(".")[2] for n in adapter_layers(model)})
+    head = model.head_name
+    config = lora_config({**model.adapter, "targets": targets}, task_type="SEQ_CLS" if model.classifier else "CAUSAL_LM",
+                         modules_to_save=[head] if head else None, base=base)
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(path))
+
+
+def file_sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def merged_arch(arch: dict[str, Any], model: str) -> dict[str, Any]:
+    """The ``arch`` of a merged export: the adapter marked merged (the model is built without one) with
+    the base model's identity, its folder and the sha256 of its weights."""
+    base = folder(model) / WEIGHTS
+    return {**arch, "adapter": {**arch["adapter"], "merged": True, "base": {"model": model, "sha256": file_sha256(base)}}}

@@ -162,7 +162,7 @@ def _load_pretrained(model: nn.Module, folder: Path) -> set[str]:
     wanted: dict[str, torch.Tensor] = {}
     names: set[str] = set()
     for name, param in model.named_parameters():
-        local = name.removeprefix("model.")
+        local = name.removeprefix("model.").replace(".base_layer.", ".")  # a LoRA layer's base weight
         for candidate in (local, local.removeprefix(f"{prefix}."), f"{prefix}.{local}"):
             if candidate in stored and candidate not in wanted:
                 if stored[candidate] != tuple(param.shape):

@@ -69,9 +69,11 @@ class ModelSpec:
 
     @classmethod
     def for_data(cls, model: str, meta: dict[str, Any], *, hidden: int, depth: int, n_heads: int = 4,
-                 dropout: float = 0.0, model_args: dict[str, Any] | None = None, train: Any = None) -> "ModelSpec":
+                 dropout: float = 0.0, model_args: dict[str, Any] | None = None, train: Any = None,
+                 adapter: dict[str, Any] | None = None) -> "ModelSpec":
         """The spec of ``model`` on data described by ``meta`` (training.data.schema.describe);
-        ``train`` (a training.data.dataset.Split): the rows the normalization statistics come from."""
+        ``train`` (a training.data.dataset.Split): the rows the normalization statistics come from;
+        ``adapter``: an hf model's adapter (``TrainConfig.adapter_spec``), kept in ``arch``."""
         hf = model.startswith("hf:")
         if model not in BUILTIN and not FACTORY_RE.match(model) and not hf:
             raise ValueError(f"unknown model {model!r}")
@@ -111,7 +113,7 @@ class ModelSpec:
             from training.models.hf import check_vocabulary, hf_config
 
             out["arch"] = hf_config(model, task=task, n_classes=out.get("n_classes", 0), pad_id=out.get("pad_id"),
-                                    classes=out.get("classes"))
+                                    classes=out.get("classes"), adapter=adapter)
             check_vocabulary(model, out["arch"], int(meta.get("tokenizer_vocab") or meta["vocab_size"]))
         return cls(**out)
 

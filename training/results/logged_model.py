@@ -119,7 +119,7 @@ def log_model(run_id: str, model_dir: str | Path, *, example_inputs, step: int, 
             # Pinned instead of inferred: inference imports the model in a subprocess (slow) and
             # would list this machine's whole environment.
             pip_requirements=_requirements(),
-            extra_files=[str(model_dir / name) for name in EXPORTED if (model_dir / name).is_file()],
+            extra_files=[str(model_dir / name) for name in EXPORTED if (model_dir / name).is_file() and "/" not in name],
             metadata={"model_config": json.dumps(spec.to_json())},
         )
 

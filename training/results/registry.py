@@ -96,6 +96,20 @@ def decide(value: float, champion_value: float | None, margin: float, metric: st
                         f"by more than the margin {margin:g} (difference {value - champion_value:+.4f})")
 
 
+def adapter_tags(model_dir: str | Path) -> dict[str, str]:
+    """An adapted model's version tags: the adapter and the base model it was trained on (its ``hf:``
+    folder and the sha256 of its weights), from the export's ``model_config.json``."""
+    import json
+
+    path = Path(model_dir) / "model_config.json"
+    adapter = json.loads(path.read_text()).get("adapter") if path.is_file() else None
+    if not adapter:
+        return {}
+    base = adapter.get("base") or {}
+    return {"adapter": str(adapter["type"]), "adapter.r": str(adapter["r"]), "adapter.base_model": str(base.get("model", "")),
+            "adapter.base_sha256": str(base.get("sha256", ""))}
+
+
 def register_and_gate(*, run_id: str, model_dir: str | Path, registered_model: str, metric_value: float,
                       margin: float, example_inputs, step: int, data_fingerprint: str | None = None,
                       score_model: Callable[[Path], float] | None = None, metric: str = GATE_METRIC,
@@ -125,6 +139,7 @@ def register_and_gate(*, run_id: str, model_dir: str | Path, registered_model: s
         tags = {metric: f"{metric_value:.6f}", "step": str(step), **chosen.tags()}
         if data_fingerprint:
             tags["data.fingerprint"] = data_fingerprint
+        tags.update(adapter_tags(model_dir))
         version = mlflow.register_model(info.model_uri, registered_model, tags=tags)
     if version.tags.get(TAG_DECISION):  # a retry after the decision was made: keep it
         return _result(registered_model, version, version.tags[TAG_DECISION], version.tags.get(TAG_REASON, ""), None)

@@ -1,0 +1,164 @@
+"""LoRA adapters on a Llama-style ``hf:`` folder (made here with ``save_pretrained``): the frozen
+base with adapters trains on 2 ranks (FSDP2 shards the frozen base too, DDP), only the adapters
+change, a rank killed mid-run resumes bit-identical, and the export is both the adapter folder
+``PeftModel.from_pretrained`` loads on the base and the merged folder ``from_pretrained`` loads,
+answering alike. Bad adapter settings are refused before anything runs, naming the field."""
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import run_torchrun
+from tests.hf_models import llama_folder
+from training.config.fields import ConfigError
+from training.config.train_config import TrainConfig
+from training.data.dataset import open_dataset
+from training.data.options import DataOptions
+from training.data.synthetic import make_text_dataset
+from training.data.tokenizer import resolve
+from training.data.tokens import build
+from training.models.build import build_for_training, build_model, check_model
+from training.models.spec import ModelSpec
+
+STEPS = 20
+LM = {"task": "language_modeling", "kind": "tokens", "features": ["tokens"], "vocab_size": 512, "seq_len": 16}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return llama_folder(tmp_path_factory.mktemp("llama") / "llama")
+
+
+def _spec(folder, **lora):
+    cfg = TrainConfig(dataset_uri="x", model=f"hf:{folder}", adapter="lora", **lora)
+    return ModelSpec.for_data(cfg.model, LM, hidden=8, depth=1, adapter=cfg.adapter_spec())
+
+
+def test_an_adapted_model_starts_as_its_base_and_trains_only_the_adapters(llama):
+    spec = _spec(llama, lora_r=4, lora_targets="q_proj,k_proj,v_proj,o_proj")
+    model, initial = build_for_training(spec, seed=3, strategy="fsdp")
+    initial(model, torch.device("cpu"))
+    base = build_model(ModelSpec.for_data(f"hf:{llama}", LM, hidden=8, depth=1), pretrained=True)
+    x = torch.randint(0, 512, (2, 16))
+    assert torch.equal(model(x), base(x)), "B starts at zero: the adapted model is the base at step 0"
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert {n.split(".")[-4] for n in trained} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert sum(p.numel() for n, p in model.named_parameters() if n in trained) == 2 * 4 * (4 * 64 + 64 + 32 + 32 + 64)
+
+
+def test_bad_adapter_settings_are_refused_naming_the_field(llama, tmp_path):
+    with pytest.raises(ConfigError, match=r"'adapter': lora adapts a pretrained Hugging Face model, but model is 'mlp'"):
+        TrainConfig(dataset_uri="x", model="mlp", adapter="lora")
+    with pytest.raises(ConfigError, match=r"'lora_targets'"):
+        TrainConfig(dataset_uri="x", model=f"hf:{llama}", adapter="lora", lora_targets="q_proj;v_proj")
+    with pytest.raises(ConfigError, match=r"'lora_r'"):
+        TrainConfig(dataset_uri="x", model=f"hf:{llama}", adapter="lora", lora_r=0)
+    spec = _spec(llama, lora_targets="qkv_proj")
+    with pytest.raises(ConfigError, match=r"^config field 'lora_targets': \['qkv_proj'\] do not name modules.*q_proj"):
+        check_model(spec, torch.zeros((2, 17), dtype=torch.int64).numpy(), strategy="fsdp")
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((llama / "config.json").read_text())
+    with pytest.raises(ConfigError, match=r"'adapter': hf:.*config-only has no model.safetensors"):
+        _spec(config_only)
+
+
+@pytest.fixture(scope="module")
+def windows(llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-data")
+    make_text_dataset(root / "data")
+    ds = open_dataset(root / "data", DataOptions(text_column="text"))
+    tok = resolve("", default=str(llama), train_documents=lambda: [])
+    return root / "data", build(ds, text_column="text", tokenizer=tok, seq_len=32, store_uri=str(root / "store")).uri
+
+
+def _sets(llama, data, uri, root, strategy, *extra):
+    base = {"dataset_uri": data, "text_column": "text", "token_shards": uri, "model": f"hf:{llama}", "seq_len": 32,
+            "adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.1, "steps": STEPS,
+            "checkpoint_every": 10, "batch_size": 8, "log_every": 5, "warmup_steps": 2, "lr": 1e-2,
+            "strategy": strategy, "checkpoint_dir": root / "ck", "output_dir": root / "out"}
+    return [f"{k}={v}" for k, v in base.items()] + list(extra)
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _exported(root):
+    return root / "ck" / f"step_{STEPS:08d}"
+
+
+def _check_export(llama, step_dir):
+    """The adapter folder on the base and the merged folder answer alike; only adapted weights moved."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(step_dir, local_files_only=True).eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama, local_files_only=True),
+                                        step_dir / "adapter", local_files_only=True).eval()
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=x).logits, adapted(input_ids=x).logits, rtol=1e-4, atol=1e-4)
+    base, out = load_file(llama / "model.safetensors"), load_file(step_dir / "model.safetensors")
+    assert set(out) == set(base)
+    moved = {k for k in base if not torch.equal(base[k], out[k])}
+    assert moved and {k.split(".")[-2] for k in moved} == {"q_proj", "v_proj"}, sorted(moved)
+    config = json.loads((step_dir / "model_config.json").read_text())["adapter"]
+    assert config["merged"] and config["base"]["model"] == f"hf:{llama}" and len(config["base"]["sha256"]) == 64
+    assert json.loads((step_dir / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(llama)
+
+
+def _losses(root):
+    return {json.loads(line)["step"]: json.loads(line)["loss"] for line in (root / "out" / "steps.jsonl").read_text().splitlines()}
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_killed_mid_run_resumes_bit_identical_and_exports_adapter_and_merged_model(llama, windows,
+                                                                                                      tmp_path):
+    import hashlib
+
+    data, uri = windows
+    env = {"HF_HUB_OFFLINE": "1"}
+    base, killed = tmp_path / "base", tmp_path / "killed"
+    _ok(run_torchrun(2, _sets(llama, data, uri, base, "fsdp"), env=env))
+    proc = _ok(run_torchrun(2, _sets(llama, data, uri, killed, "fsdp"), max_restarts=1,
+                            env={**env, "TRAINING_FAULT_KILL_AT_STEP": "15:1"}))
+    assert "rank 1 SIGKILLs itself after step 15" in proc.stdout and "(step 10)" in proc.stdout
+    digest = lambda root, name: hashlib.sha256((_exported(root) / name).read_bytes()).hexdigest()
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        assert digest(killed, name) == digest(base, name), name
+    got, want = _losses(killed), _losses(base)
+    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
+    assert want[STEPS] < want[1], "the adapters learn"
+    _check_export(llama, _exported(base))
+
+
+@pytest.mark.slow
+def test_lora_under_ddp_with_activation_checkpointing(llama, windows, tmp_path):
+    data, uri = windows
+    _ok(run_torchrun(2, _sets(llama, data, uri, tmp_path, "ddp", "activation_checkpointing=full"),
+                     env={"HF_HUB_OFFLINE": "1"}))
+    _check_export(llama, _exported(tmp_path))
+    summary = json.loads((tmp_path / "out" / "train_summary.json").read_text())
+    assert summary["final_step"] == STEPS
+
+
+def test_the_memory_preflight_counts_a_frozen_base_without_gradients_or_optimizer_state(llama):
+    import numpy as np
+
+    from training.metrics.memory import estimate
+
+    example = np.zeros((17,), dtype=np.int64)
+    full_cfg = TrainConfig(dataset_uri="x", model=f"hf:{llama}", strategy="fsdp", batch_size=8)
+    lora_cfg = TrainConfig(dataset_uri="x", model=f"hf:{llama}", strategy="fsdp", batch_size=8, adapter="lora")
+    full = estimate(full_cfg, ModelSpec.for_data(full_cfg.model, LM, hidden=8, depth=1), example, world_size=2)
+    lora = estimate(lora_cfg, _spec(llama), example, world_size=2)
+    trained = lora.setup["trained_parameters"]
+    assert 0 < trained < lora.setup["parameters"] / 20
+    assert lora.terms["optimizer"] == -(-2 * 4 * trained // 2) and lora.terms["gradients"] == -(-4 * trained // 2)
+    assert full.terms["optimizer"] > 20 * lora.terms["optimizer"]
+    assert lora.terms["parameters"] >= full.terms["parameters"], "the frozen base is still held (sharded)"
