@@ -13,7 +13,7 @@ peft's default targets: GPT-2's ``c_attn``): ours with ``adapter=lora``, HF's Tr
 model, and the summary gives LoRA's throughput and peak memory (the ranks' resident set, from
 ``train_summary.json``) against it.
 
-``transformers`` and ``accelerate`` are benchmark-only dependencies (requirements-bench.txt).
+``transformers`` and ``accelerate`` (which ``peft`` brings) are in requirements.txt; ``peft`` runs both LoRA sides.
 
 Set up once, outside any timing: a GPT-2 style checkpoint folder (``GPT2Config`` + random weights,
 ``save_pretrained``, with a byte-level BPE ``tokenizer.json`` trained on the help text), the help

@@ -136,6 +136,17 @@ def _child_run(params: dict[str, Any], parent: str, trial: Any, study_name: str)
     return child
 
 
+def _steps_logged(run_id: str) -> int:
+    """The last step a (failed) trial's ranks logged its training loss at, 0 when none or MLflow fails."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        return max((m.step for m in MlflowClient().get_metric_history(run_id, "train/loss")), default=0)
+    except Exception as e:  # the record of a failure must never hide it
+        log.warning("steps of the failed trial's run %s not read: %s", run_id, e)
+        return 0
+
+
 def _short(v: Any) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
@@ -163,10 +174,12 @@ def _run_trial(params: dict[str, Any], lane: dict[str, Any], study: Any, trial: 
     except Exception as e:  # one trial's failure is the trial's: recorded, and the sweep goes on
         reason = f"{type(e).__name__}: {e}"[:500]
         log.error("trial %d failed: %s", trial.number, reason)
+        steps = _steps_logged(child)  # what the failed trial spent counts in the sweep's steps too
+        trial.set_user_attr("steps", steps)
         study.tell(trial, state=TrialState.FAIL)
         logger.set_tags({STATE_TAG: "failed", "failure.reason": reason})
         logger.finish("FAILED")
-        return {"trial": trial.number, "state": "failed", "mlflow_run_id": child, "reason": reason}
+        return {"trial": trial.number, "state": "failed", "mlflow_run_id": child, "reason": reason, "steps": steps}
     steps = int(trained["final_step"])
     trial.set_user_attr("steps", steps)
     trial.set_user_attr("scored", json.loads(json.dumps(scored, default=str)))
