@@ -135,6 +135,12 @@ def test_lora_under_fsdp_killed_mid_run_resumes_bit_identical_and_exports_adapte
     assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
     assert want[STEPS] < want[1], "the adapters learn"
     _check_export(llama, _exported(base))
+    # A checkpoint holds what trains, not the frozen base (read from its folder again on resume).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = [k for k in FileSystemReader(str(killed / "ck" / "step_00000010")).read_metadata().state_dict_metadata
+             if k.startswith("train.model.")]
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved), saved[:5]
 
 
 @pytest.mark.slow

@@ -83,8 +83,17 @@ class TrainState(Stateful):
         for name, part in self.rank_local.items():
             part.load_state_dict((saved or {}).get("local", {}).get(name), step=self.step)
 
+    def _options(self):
+        """A model with a frozen part (an adapter's base) checkpoints only what trains: the base is read
+        from its folder again on resume, as at the start, so a LoRA checkpoint is the adapters' size."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        if all(p.requires_grad for p in self.model.parameters()):
+            return None
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
+
     def state_dict(self) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optimizer)
+        msd, osd = get_state_dict(self.model, self.optimizer, options=self._options())
         state = {
             "model": msd,
             "optim": osd,
@@ -97,7 +106,8 @@ class TrainState(Stateful):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self._options())
         self.scheduler.load_state_dict(state["scheduler"])
         if "scaler" in state and self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
