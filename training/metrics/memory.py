@@ -60,11 +60,12 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def tame_malloc(threshold: int = 4 * MiB) -> bool:
+def tame_malloc(threshold: int = 32 * MiB) -> bool:
     """glibc keeps freed heap blocks, so a CPU rank's resident set after a step follows the
     allocation history, not what is live: blocks of ``threshold`` and more are mapped and unmapped
-    on their own, and the heap is trimmed past it (its CPU cost: docs/benchmarks.md, "Peak memory
-    by strategy"). False where it is not glibc."""
+    on their own, and the heap is trimmed past it. Smaller tensors are reused from the heap: each
+    one above the threshold is mapped and zero-filled afresh at every step (4 MiB cost a small
+    GPT-2's LoRA step 39%: docs/benchmarks.md, "LoRA"). False where it is not glibc."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
