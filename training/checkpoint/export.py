@@ -113,7 +113,7 @@ def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path 
     path = Path(path)
     if main:
         path.mkdir(parents=True, exist_ok=True)
-    adapted = getattr(inner, "adapter", None) is not None
+    adapted = spec.is_hf and bool(spec.arch.get("adapter")) and not spec.arch["adapter"].get("merged")
     merge = {}
     if adapted:  # the adapters first, to their own folder; the merged model then
         from training.models.hf import ADAPTER_DIR, merged, merges
@@ -149,13 +149,13 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 def _export_adapter(state: dict[str, torch.Tensor], model, spec: ModelSpec, path: Path, main: bool) -> None:
     """Collective: the trained adapters (and a classifier's head) as peft saves them, gathered whole
     one at a time on every rank (they are small), written by rank 0 with their ``adapter_config.json``."""
-    from training.models.hf import adapter_names, folder, write_adapter_config
+    from training.models.hf import adapter_names, write_adapter_config
 
     names = adapter_names(list(state), model)
     layout = {f: (state[k].dtype, tuple(state[k].shape)) for k, f in names.items()}
     by_file = {f: k for k, f in names.items()}
     if main:
-        write_adapter_config(path, model, str(folder(spec.model)))
+        write_adapter_config(path, model, spec.model.removeprefix("hf:"))
     write_streamed(path / "adapter_model.safetensors" if main else None, layout,
                    ((f, _whole(state[by_file[f]])) for f in order(layout)), {"format": "pt"})
 
