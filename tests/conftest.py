@@ -173,15 +173,23 @@ def s3_server(_moto_endpoint):
 
 def run_torchrun(nproc: int, sets: list[str], *, env: dict[str, str] | None = None, max_restarts: int = 0,
                  timeout: float = 300, popen: bool = False):
-    """`torchrun ... -m training train --set k=v ...` on 127.0.0.1 with gloo, as a user would run it."""
-    cmd = torchrun_command([a for s in sets for a in ("--set", s)], nproc_per_node=nproc, master_port=free_port(),
-                           max_restarts=max_restarts)
+    """`torchrun ... -m training train --set k=v ...` on 127.0.0.1 with gloo, as a user would run it.
+    A free port can be taken by another test's process between ``free_port`` and torchrun's bind:
+    a launch that failed so before any rank started (EADDRINUSE, no ``train:`` line) is launched
+    again on another port, up to twice."""
     # A run id only when the test passes one (the ranks then log to that MLflow run).
     base = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
     full_env = {**base, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **(env or {})}
-    if popen:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    for attempt in range(3):
+        cmd = torchrun_command([a for s in sets for a in ("--set", s)], nproc_per_node=nproc, master_port=free_port(),
+                               max_restarts=max_restarts)
+        if popen:
+            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+        out = proc.stdout + proc.stderr
+        if proc.returncode == 0 or "EADDRINUSE" not in out or "train: " in out:
+            return proc
+    return proc
 
 
 def local_checkpoint(root: Path, step: int, files: dict[str, bytes], world_size: int = 2) -> Path:
