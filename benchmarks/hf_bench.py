@@ -149,9 +149,9 @@ def recipe(a) -> dict:
             "seed": a.seed}
 
 
-def ours_rate(a, folder: Path, shards: str, tmp: Path, i: int, adapter: str = "none") -> tuple[float, float]:
-    """(samples/s after the warm-up steps, last window's loss) of our trainer; its peak resident set
-    (the largest rank's) in ``a.peak``."""
+def ours_rate(a, folder: Path, shards: str, tmp: Path, i: int, adapter: str = "none") -> tuple[float, float, float]:
+    """(samples/s after the warm-up steps, last window's loss, peak resident set of the largest rank)
+    of our trainer."""
     out_dir = tmp / f"out{i}-{adapter}"
     sets = {"model": f"hf:{folder}", "dataset_uri": tmp / "data", "text_column": "text", "token_shards": shards,
             "seq_len": a.seq_len, "batch_size": a.batch_size, "steps": a.steps, "strategy": "ddp",
@@ -163,8 +163,8 @@ def ours_rate(a, folder: Path, shards: str, tmp: Path, i: int, adapter: str = "n
     if not PROGRESS.search(out):
         raise RuntimeError(f"no progress line in our trainer's output:\n{out[-3000:]}")
     t = {r["step"]: r["t"] for r in map(json.loads, (out_dir / "steps.jsonl").read_text().splitlines())}
-    a.peak = json.loads((out_dir / "train_summary.json").read_text())["peak_mem_bytes_max"]
-    return a.batch_size * (a.steps - a.warmup) / (t[a.steps] - t[a.warmup]), float(LOSS.findall(out)[-1])
+    peak = json.loads((out_dir / "train_summary.json").read_text())["peak_mem_bytes_max"]
+    return a.batch_size * (a.steps - a.warmup) / (t[a.steps] - t[a.warmup]), float(LOSS.findall(out)[-1]), peak
 
 
 def hf_rate(a, folder: Path, shards: str, tmp: Path, i: int) -> tuple[float, float]:
@@ -311,18 +311,17 @@ def _rounds(a, tmp: Path) -> int:
           f"[load {os.getloadavg()[0]:.2f}]", flush=True)
     ratios, vs_full, mem = [], [], []
     for i in range(a.repeats):
-        ours, ours_loss = ours_rate(a, folder, shards, tmp, i, a.adapter)
-        peak = a.peak
+        ours, ours_loss, peak = ours_rate(a, folder, shards, tmp, i, a.adapter)
         hf, hf_loss = hf_rate(a, folder, shards, tmp, i)
         ratios.append(ours / hf)
         line = (f"  round {i + 1}: ours {ours:7.2f} samples/s (loss {ours_loss:.3f}) | HF Trainer {hf:7.2f} samples/s "
                 f"(loss {hf_loss:.3f}) | ours/HF {ours / hf:.3f}")
         if a.adapter != "none":
-            full, full_loss = ours_rate(a, folder, shards, tmp, i)
+            full, full_loss, full_peak = ours_rate(a, folder, shards, tmp, i)
             vs_full.append(ours / full)
-            mem.append(peak / a.peak)
+            mem.append(peak / full_peak)
             line += (f" | ours full fine-tune {full:7.2f} samples/s (loss {full_loss:.3f}), LoRA/full: throughput "
-                     f"{ours / full:.3f}, peak memory {peak / 2**20:.0f}/{a.peak / 2**20:.0f} MiB = {peak / a.peak:.3f}")
+                     f"{ours / full:.3f}, peak memory {peak / 2**20:.0f}/{full_peak / 2**20:.0f} MiB = {peak / full_peak:.3f}")
         print(f"{line}  [load {os.getloadavg()[0]:.2f}]", flush=True)
     what = "" if a.adapter == "none" else f" ({a.adapter} r={a.lora_r} on both)"
     print(f"ours / HF Trainer{what} (median of {a.repeats} rounds): {statistics.median(ratios):.3f}  (goal >= 1.1)")

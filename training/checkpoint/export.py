@@ -104,6 +104,8 @@ def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path 
     rank 0. Every rank gathers one tensor at a time (FSDP2's shards, all-gathered), rank 0 writes it."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from training.distributed.parallel import full_tensor
+
     state = get_model_state_dict(model)  # this rank's shards (DTensors) or, under DDP, the tensors
     inner = getattr(model, "module", model)  # DDP's wrapped module
     names = _file_names(list(state), inner, spec)
@@ -124,10 +126,10 @@ def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path 
     def whole():
         for name in order(layout):
             key = by_file[name]
-            t = _whole(state[key])
+            t = full_tensor(state[key])
             if key in merge:
                 a, b, scaling, transposed = merge[key]
-                t = merged(t, _whole(state[a]), _whole(state[b]), scaling, transposed)
+                t = merged(t, full_tensor(state[a]), full_tensor(state[b]), scaling, transposed)
             yield name, t
 
     write_streamed(path / MODEL_FILE if main else None, layout, whole(), _file_metadata(spec))
@@ -142,13 +144,10 @@ def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path 
     dist.barrier()
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _export_adapter(state: dict[str, torch.Tensor], model, spec: ModelSpec, path: Path, main: bool) -> None:
     """Collective: the trained adapters (and a classifier's head) as peft saves them, gathered whole
     one at a time on every rank (they are small), written by rank 0 with their ``adapter_config.json``."""
+    from training.distributed.parallel import full_tensor
     from training.models.hf import adapter_names, write_adapter_config
 
     names = adapter_names(list(state), model)
@@ -157,7 +156,7 @@ def _export_adapter(state: dict[str, torch.Tensor], model, spec: ModelSpec, path
     if main:
         write_adapter_config(path, model, spec.model.removeprefix("hf:"))
     write_streamed(path / "adapter_model.safetensors" if main else None, layout,
-                   ((f, _whole(state[by_file[f]])) for f in order(layout)), {"format": "pt"})
+                   ((f, full_tensor(state[by_file[f]])) for f in order(layout)), {"format": "pt"})
 
 
 def _file_names(state_names: list[str], model, spec: ModelSpec) -> dict[str, str]:

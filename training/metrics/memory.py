@@ -90,11 +90,7 @@ class StepCount:
     largest_unit_numel: int  # the largest FSDP unit (a block), parameters
     root_numel: int  # the parameters in no unit (embedding, head, norms): the root's FSDP group
     activation_bytes: int  # the step's peak of what is neither parameter nor gradient: saved tensors, temporaries
-    trainable_numel: int = -1  # the parameters that train (an adapter's, not its frozen base); -1: all of them
-
-    @property
-    def trained(self) -> int:
-        return self.param_numel if self.trainable_numel < 0 else self.trainable_numel
+    trainable_numel: int  # the parameters that train (an adapter's, not its frozen base)
 
 
 def _activation_tracker():
@@ -217,14 +213,14 @@ def estimate_from(c: StepCount, cfg, *, world_size: int, device: str, data_bytes
     """The terms from a step's count: the sizing rules of DDP, FSDP2 and AdamW."""
     # Sharded over one row of the mesh: every rank under plain FSDP, dp_shard ranks under HSDP.
     n = cfg.mesh_shape(world_size)[1] if cfg.strategy == "fsdp" else 1
-    trained = c.trained * 4  # gradients and AdamW state exist for these only (an adapter's, not its frozen base)
+    trained = c.trainable_numel * 4  # gradients and AdamW state exist for these only (an adapter's, not its frozen base)
     if cfg.strategy == "fsdp":
         # Every rank holds 1/N of each unit (padded to N equal shards); the units' full
         # parameters (in bf16 under mixed precision) exist while they compute, the root's all step.
         full = 2 if cfg.precision == "bf16" else 4
         units = (FSDP_UNITS_HELD * c.largest_unit_numel + c.root_numel) * full
         # a unit's full gradients before reduce-scatter (the trained share of them)
-        units += math.ceil((c.largest_unit_numel + c.root_numel) * 4 * c.trained / max(1, c.param_numel))
+        units += math.ceil((c.largest_unit_numel + c.root_numel) * 4 * c.trainable_numel / max(1, c.param_numel))
     else:
         units = 0
     acts = c.activation_bytes
@@ -245,7 +241,7 @@ def estimate_from(c: StepCount, cfg, *, world_size: int, device: str, data_bytes
     setup = {"strategy": cfg.strategy, "world_size": world_size, "dp_shard": n, "precision": cfg.precision,
              "activation_checkpointing": cfg.activation_checkpointing, "batch_size": cfg.batch_size,
              "grad_accum": cfg.grad_accum, "micro_batch": micro_batch, "device": device,
-             "parameters": c.param_numel, "trained_parameters": c.trained, "largest_unit_parameters": c.largest_unit_numel,
+             "parameters": c.param_numel, "trained_parameters": c.trainable_numel, "largest_unit_parameters": c.largest_unit_numel,
              "root_parameters": c.root_numel}
     return Estimate(terms=terms, setup=setup)
 

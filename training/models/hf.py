@@ -151,9 +151,8 @@ class HFModel(nn.Module):
             with mock.patch.object(nn.Module, "to", lambda module, *a, **k: module):
                 inject_adapter_in_model(lora_config(adapter), self.model)
         except ValueError as e:
-            linear = sorted({n.rpartition(".")[2] for n, m in self.model.named_modules() if isinstance(m, nn.Linear)}
-                            | {n.rpartition(".")[2] for n, m in self.model.named_modules()
-                               if type(m).__name__ == "Conv1D"})
+            linear = sorted({n.rpartition(".")[2] for n, m in self.model.named_modules()
+                             if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})
             raise ConfigError("lora_targets", f"{adapter['targets']} do not name modules of the model ({e})",
                               f"name some of its linear layers: {','.join(linear)}, or all-linear") from None
         head = self.head_name
@@ -219,7 +218,7 @@ def export_names(names: list[str], model: nn.Module) -> dict[str, str]:
 
     tied = {f"model.{k}" for k in tied_parameters(model.model)} if isinstance(model, HFModel) else set()
     return {k: k.removeprefix("model.").replace(".base_layer.", ".") for k in names
-            if k not in tied and ".lora_A." not in k and ".lora_B." not in k}
+            if k not in tied and not is_adapter_tensor(k)}
 
 
 EXPORT_METADATA = {"format": "pt"}  # what save_pretrained writes into the safetensors header
@@ -239,6 +238,11 @@ def lora_config(adapter: dict[str, Any], *, task_type: str | None = None, module
     return LoraConfig(r=int(adapter["r"]), lora_alpha=float(adapter["alpha"]), lora_dropout=float(adapter["dropout"]),
                       target_modules=adapter["targets"], task_type=task_type, modules_to_save=modules_to_save,
                       base_model_name_or_path=base)
+
+
+def is_adapter_tensor(name: str) -> bool:
+    """A LoRA adapter's A or B matrix, by its state-dict name."""
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def adapter_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -268,11 +272,11 @@ def adapter_names(state_names: list[str], model: nn.Module) -> dict[str, str]:
     """The wrapper's trained tensors -> their names in peft's ``adapter_model.safetensors`` (the
     adapter's name left out, as ``PeftModel.save_pretrained`` writes them), a classifier's head
     included (peft's ``modules_to_save``)."""
-    head = getattr(model, "head_name", None)
+    head = model.head_name
     out = {}
     for k in state_names:
         local = k.removeprefix("model.")
-        if ".lora_A." in k or ".lora_B." in k:
+        if is_adapter_tensor(k):
             out[k] = PEFT_PREFIX + local.replace(f".{ADAPTER_NAME}.", ".")
         elif head is not None and local.startswith(f"{head}."):
             out[k] = PEFT_PREFIX + local
@@ -290,18 +294,10 @@ def write_adapter_config(path: Path, model: nn.Module, base: str) -> None:
     config.save_pretrained(str(path))
 
 
-def file_sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def merged_arch(arch: dict[str, Any], model: str) -> dict[str, Any]:
     """The ``arch`` of a merged export: the adapter marked merged (the model is built without one) with
     the base model's identity, its folder and the sha256 of its weights."""
+    from training.util import sha256_file
+
     base = folder(model) / WEIGHTS
-    return {**arch, "adapter": {**arch["adapter"], "merged": True, "base": {"model": model, "sha256": file_sha256(base)}}}
+    return {**arch, "adapter": {**arch["adapter"], "merged": True, "base": {"model": model, "sha256": sha256_file(base)}}}

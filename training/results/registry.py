@@ -99,10 +99,9 @@ def decide(value: float, champion_value: float | None, margin: float, metric: st
 def adapter_tags(model_dir: str | Path) -> dict[str, str]:
     """An adapted model's version tags: the adapter and the base model it was trained on (its ``hf:``
     folder and the sha256 of its weights), from the export's ``model_config.json``."""
-    import json
+    from training.checkpoint.export import read_spec
 
-    path = Path(model_dir) / "model_config.json"
-    adapter = json.loads(path.read_text()).get("adapter") if path.is_file() else None
+    adapter = read_spec(model_dir).arch.get("adapter")
     if not adapter:
         return {}
     base = adapter.get("base") or {}
