@@ -72,13 +72,21 @@ def bert_folder(path: Path) -> Path:
     return path
 
 
-def llama_folder(path: Path, *, num_labels: int | None = None) -> Path:
+# A ChatML template (Qwen's turn markers), kept in tokenizer_config.json as chat models keep theirs.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def llama_folder(path: Path, *, num_labels: int | None = None, chat: bool = False) -> Path:
     """A Llama-style LM (2 blocks of width 64, grouped-query attention, random weights saved with
-    ``save_pretrained``) with the BPE tokenizer; ``num_labels``: a sequence classifier instead."""
+    ``save_pretrained``) with the BPE tokenizer; ``num_labels``: a sequence classifier instead;
+    ``chat``: the turn markers as special tokens and the CHATML template in its tokenizer files."""
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
-    tok = _tokenizer([])
+    tok = _tokenizer(["<|im_start|>", "<|im_end|>"] if chat else [])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, bos_token=EOT, pad_token=EOT)
+    if chat:
+        fast.chat_template = CHATML
     config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          bos_token_id=tok.token_to_id(EOT), eos_token_id=tok.token_to_id(EOT),

@@ -78,6 +78,10 @@ NOT_RUN = {
     ".venv/bin/python scripts/demo.py --set dataset_uri=var/data/python-help --set text_column=text --set "
     "model=hf:/models/my-llama --set adapter=lora": "the same DAG as the GPT-2 command; tests/e2e/test_hf_pipeline.py "
     "runs LoRA on a Llama-style folder through it, tests/training/test_lora.py the trainer's side",
+    ".venv/bin/python -m training make-data --kind instructions": "tests/training/test_sft.py and "
+    "tests/e2e/test_hf_pipeline.py make the same table (make_instructions_dataset)",
+    ".venv/bin/python scripts/demo.py --set dataset_uri=var/data/instructions": "needs a chat model folder; "
+    "tests/e2e/test_hf_pipeline.py runs SFT with LoRA on a Llama-style chat folder through the same DAG",
     ".venv/bin/airflow dags trigger training_sweep": "needs the running scheduler; tests/e2e/test_sweep_dag.py runs "
     "the sweep DAG (dag.test) and tests/plugins/test_conf_check.py the trigger-time check of its search",
     ".venv/bin/python scripts/project_env.py .venv/bin/python benchmarks/gpu_check.py": "needs a CUDA machine; "

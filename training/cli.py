@@ -18,16 +18,20 @@ from training.config.train_config import MODEL_KIND, TrainConfig, choices
 from training.config.fields import help_lines, specs
 from training.distributed.launch import EXIT_BAD_INPUT
 
-DATA_FIELDS = ("label_column", "feature_columns", "task", "validation_fraction", "split_seed", "text_column")
+DATA_FIELDS = ("label_column", "feature_columns", "task", "validation_fraction", "split_seed", "text_column",
+               "prompt_column", "response_column", "messages_column")
 
 
 def _cmd_make_data(a: argparse.Namespace) -> int:
-    from training.data.synthetic import make_digits_dataset, make_markov_dataset, make_teacher_dataset, make_text_dataset
+    from training.data.synthetic import (make_digits_dataset, make_instructions_dataset, make_markov_dataset,
+                                         make_teacher_dataset, make_text_dataset)
 
     if a.kind == "digits":
         meta = make_digits_dataset(a.out, seed=a.seed)
     elif a.kind in ("text", "text-classes"):
         meta = make_text_dataset(a.out, labels=a.kind == "text-classes", names=a.kind == "text-classes")
+    elif a.kind == "instructions":
+        meta = make_instructions_dataset(a.out)
     elif a.kind == "markov":
         meta = make_markov_dataset(a.out, n_train=a.train_rows, n_val=a.val_rows, vocab=a.vocab, seq_len=a.seq_len, seed=a.seed)
     else:
@@ -63,19 +67,17 @@ def _cmd_tokenize(a: argparse.Namespace) -> int:
     """Make a text dataset's token windows (what the DAG's tokenize task does) and print where they are."""
     from training.data.dataset import open_dataset
     from training.data.options import DataOptions
-    from training.data.text import documents
-    from training.data.tokenizer import resolve
-    from training.data.tokens import build
-    from training.models.hf import default_tokenizer
+    from training.data.tokens import build_for
+    from training.models import hf
 
     cfg = TrainConfig(dataset_uri=a.dataset_uri, tokenizer=a.tokenizer, seq_len=a.seq_len, model=a.model,
+                      chat_template=a.chat_template, max_truncated_share=a.max_truncated_share,
                       **{f: getattr(a, f) for f in DATA_FIELDS})
-    if not cfg.text_column:
-        raise ConfigError("text_column", "is empty", "name the column of documents, e.g. --text-column text")
+    if not cfg.is_text:
+        raise ConfigError("text_column", "is empty", "name the column of documents, e.g. --text-column text (or the "
+                          "prompt and response columns, or the messages column, of SFT examples)")
     data = open_dataset(cfg.dataset_uri, DataOptions.of(cfg))
-    loaded = resolve(cfg.tokenizer, default=default_tokenizer(cfg.model),
-                     train_documents=lambda: documents(data.table("train"), cfg.text_column))
-    built = build(data, text_column=cfg.text_column, tokenizer=loaded, seq_len=cfg.seq_len, store_uri=a.out)
+    built, _ = build_for(cfg, data, a.out, model_folder=hf.folder(cfg.model) if hf.is_hf(cfg.model) else None)
     print(json.dumps({"token_shards": built.uri, "cache_hit": built.cache_hit, "splits": built.stats["splits"]}))
     return 0
 
@@ -172,10 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("make-data", help="write a dataset whose reachable accuracy or loss is known")
     s.add_argument("--out", required=True, help="folder to write (train/, validation/, dataset.json)")
-    s.add_argument("--kind", choices=["teacher", "digits", "markov", "text", "text-classes"], default="teacher",
+    s.add_argument("--kind", choices=["teacher", "digits", "markov", "text", "text-classes", "instructions"],
+                   default="teacher",
                    help="teacher: tabular (mlp); digits: 8x8 images (cnn); markov: token sequences (transformer); "
                    "text: Python's own help text as documents (transformer, text_column=text); text-classes: the "
-                   "same with a label, code (code or grammar) or prose, by name (a text classifier)")
+                   "same with a label, code (code or grammar) or prose, by name (a text classifier); instructions: "
+                   "prompt/response and messages columns over the same text (supervised fine-tuning of an hf: model)")
     s.add_argument("--train-rows", type=int, default=20_000, help="rows in the train split")
     s.add_argument("--val-rows", type=int, default=4_000, help="rows in the validation split")
     s.add_argument("--features", type=int, default=16, help="number of feature columns")
@@ -222,7 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", default=fields["tokenizer"].default, help=fields["tokenizer"].help)
     s.add_argument("--seq-len", dest="seq_len", type=int, default=fields["seq_len"].default, help=fields["seq_len"].help)
     s.add_argument("--model", default="transformer", help="the model the windows are for: an hf:<folder> model "
-                   "brings its own tokenizer (the default tokenizer then)")
+                   "brings its own tokenizer (the default tokenizer then) and chat template")
+    s.add_argument("--chat-template", dest="chat_template", default=None, help=fields["chat_template"].help)
+    s.add_argument("--max-truncated-share", dest="max_truncated_share", type=float,
+                   default=fields["max_truncated_share"].default, help=fields["max_truncated_share"].help)
     s.add_argument("--out", required=True, help="the store to write them to: a folder, file:///folder or s3://bucket/prefix")
     s.set_defaults(fn=_cmd_tokenize)
 

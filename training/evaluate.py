@@ -36,6 +36,7 @@ from training.results import reports
 from training.data.dataset import Dataset, Split, open_dataset
 from training.log import logger
 from training.models.generate import continue_text
+from training.data.sft import IGNORE
 from training.models.loss import loss_fn, split_batch
 from training.models.spec import ModelSpec
 from training.data.options import DataOptions
@@ -117,8 +118,11 @@ def _score(model: torch.nn.Module, kind: str, rows: _Rows | _BlockRows, batch: i
                 sums += torch.tensor([float(((logits.double().reshape(-1) - y) ** 2).sum()), target.numel(),
                                       float(y.sum()), float((y * y).sum())], dtype=torch.float64)
             else:
-                sums += torch.tensor([float(loss_fn(logits, target)) * target.numel(),
-                                      float((logits.argmax(dim=-1) == target).sum()), target.numel(), 0.0],
+                counted = int((target != IGNORE).sum())  # SFT: the answers' tokens only
+                if not counted:
+                    continue
+                sums += torch.tensor([float(loss_fn(logits, target)) * counted,
+                                      float((logits.argmax(dim=-1) == target).sum()), counted, 0.0],
                                      dtype=torch.float64)
     finally:
         model.train(was_training)
@@ -277,10 +281,15 @@ def text_samples(model: torch.nn.Module, spec: ModelSpec, dataset: TokenDataset)
     sampling with a fixed seed."""
     loaded = dataset.tokenizer()
     prompts = dataset.stats.get("prompts") or []
-    kw = {"seq_len": spec.seq_len, "stop_id": loaded.eot_id}
-    return {"prompts": prompts, "greedy": continue_text(model, loaded.tokenizer, prompts, **kw),
-            "sampled": continue_text(model, loaded.tokenizer, prompts, sample=True, seed=0, **kw),
-            "sampling": "top-k 40, temperature 0.8, seed 0", "tokenizer": loaded.source}
+    sft = dataset.stats.get("sft") or {}
+    # An SFT answer ends at its template's end-of-turn token (ChatML's <|im_end|>), else at end of text.
+    kw = {"seq_len": spec.seq_len, "stop_id": sft.get("stop_id", loaded.eot_id)}
+    out = {"prompts": prompts, "greedy": continue_text(model, loaded.tokenizer, prompts, **kw),
+           "sampled": continue_text(model, loaded.tokenizer, prompts, sample=True, seed=0, **kw),
+           "sampling": "top-k 40, temperature 0.8, seed 0", "tokenizer": loaded.source}
+    if dataset.stats.get("answers"):
+        out["answers"] = dataset.stats["answers"]
+    return out
 
 
 def validation_for(dataset: Dataset | TokenDataset, spec: ModelSpec):

@@ -92,8 +92,8 @@ def prepare(cfg: TrainConfig, dataset: Dataset | None = None,
     ``memory_check``: the memory preflight, after the model's check on two rows (it counts on fake tensors)."""
     if dataset is None and cfg.token_shards:  # text: the windows the tokenize step made, verified
         dataset = open_shards(cfg.token_shards)
-    elif dataset is None and cfg.text_column:
-        raise ConfigError("token_shards", f"text ({cfg.text_column!r} of {cfg.dataset_uri}) is trained from its "
+    elif dataset is None and cfg.is_text:
+        raise ConfigError("token_shards", f"text ({cfg.text_column or cfg.sft_spec()!r} of {cfg.dataset_uri}) is trained from its "
                           "token windows, and none were given", "make them first: python -m training tokenize "
                           "--dataset-uri ... --text-column ... --out DIR, then --set token_shards=<the printed URI> "
                           "(the DAG's tokenize task does this)")

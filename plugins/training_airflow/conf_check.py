@@ -173,7 +173,9 @@ def _target_mismatch(params: dict[str, Any]) -> ConfigError | None:
     if not isinstance(target, str):  # Airflow's own validation answers a wrong type
         return None
     try:
-        check_target_task(target, task=str(params.get("task") or "auto"), text_column=params.get("text_column") or None)
+        sft = params.get("prompt_column") or params.get("messages_column")  # SFT trains a language model
+        check_target_task(target, task=str(params.get("task") or "auto"), text_column=params.get("text_column") or None,
+                          data_task="language_modeling" if sft else None)
     except ConfigError as e:
         return e
     return None

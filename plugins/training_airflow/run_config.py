@@ -71,5 +71,6 @@ def data_options(params: dict[str, Any]) -> Any:
     from training.data.options import DataOptions
 
     fields = specs(TrainConfig)
-    names = ("label_column", "feature_columns", "task", "validation_fraction", "split_seed", "text_column")
+    names = ("label_column", "feature_columns", "task", "validation_fraction", "split_seed", "text_column",
+             "prompt_column", "response_column", "messages_column")
     return DataOptions.of(SimpleNamespace(**{n: params.get(n, fields[n].default) for n in names}))

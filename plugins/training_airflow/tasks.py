@@ -156,7 +156,7 @@ def validate_data(params: dict[str, Any], opened: RunOpened) -> Validated:
     log.info("data gate passed: %s rows, fingerprint %s; %s%s", report["rows"], report["fingerprint"][:16],
              described.get("task_reason", ""),
              " (the verdict of an earlier run on the same bytes and suite)" if report.get("cached_from") else "")
-    if cfg.text_column:  # the model reads tokens: checked once the tokenize task made them
+    if cfg.is_text:  # the model reads tokens: checked once the tokenize task made them
         _load_tokenizer_file(cfg, params)
     else:
         check_model(params, cfg, data)
@@ -179,23 +179,19 @@ def tokenize(params: dict[str, Any], validated: Validated) -> Validated:
     and write them to the store, keyed by the data, the tokenizer and ``seq_len`` (a second run on
     the same finds them), then check the model on them; the ranks read the windows, never the text.
     Tables: nothing to tokenize, the run goes on as it came."""
-    if not params.get("text_column"):
+    if not any(params.get(f) for f in ("text_column", "prompt_column", "messages_column")):
         log.info("a table of numbers: nothing to tokenize")
         return validated
     from training.data.dataset import open_dataset
-    from training.data.text import documents
-    from training.data.tokenizer import resolve
-    from training.data.tokens import build, open_shards
-    from training.models.hf import default_tokenizer
+    from training.data.tokens import build_for, open_shards
+    from training.models import hf
 
     cfg = train_config({**params, "dataset_uri": validated["dataset_uri"]})
     s3_env = store_env(params)
     data = open_dataset(validated["dataset_uri"], data_options(params), env=s3_env,
                         expect_fingerprint=validated["dataset_fingerprint"])
-    loaded = resolve(cfg.tokenizer, env=s3_env, default=default_tokenizer(cfg.model, s3_env),
-                     train_documents=lambda: documents(data.table("train"), cfg.text_column))
-    built = build(data, text_column=cfg.text_column, tokenizer=loaded, seq_len=cfg.seq_len, store_uri=params["store_uri"],
-                  env=s3_env)
+    built, loaded = build_for(cfg, data, params["store_uri"], s3_env,
+                              model_folder=hf.folder(cfg.model, s3_env) if hf.is_hf(cfg.model) else None)
     _record_tokens(run_logger(validated["mlflow_run_id"]), built, loaded)
     splits = built.stats["splits"]
     log.info("tokens %s (%s, %.1fs): %s", built.uri, "found: the same data, tokenizer and seq_len" if built.cache_hit
@@ -218,6 +214,11 @@ def _record_tokens(logger, built: Any, loaded: Any) -> None:
         if s.get("tokens_per_byte") is not None:
             figures[f"{split}_tokens_per_byte"] = float(s["tokens_per_byte"])
         figures[f"{split}_unrepresented_share"] = float(s.get("unrepresented_share") or 0.0)
+        for k in ("answer_tokens", "truncated", "truncated_share", "fill"):  # SFT examples, packed
+            if k in s:
+                figures[f"{split}_{k}"] = float(s[k])
+    if "sft" in built.stats:
+        tags["sft.rendering"] = built.stats["sft"]["rendering"]
     logger.set_tags(tags)
     logger.log_summary(figures)
     logger.log_text(loaded.to_json(), "tokenizer/tokenizer.json")

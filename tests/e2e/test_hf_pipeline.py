@@ -1,7 +1,8 @@
 """The Hugging Face models people fine-tune, through the whole DAG (dag.test, 2 gloo ranks): a GPT-2
 style causal LM fine-tuned from its folder's weights with the folder's own tokenizer, exported as a
 folder ``from_pretrained`` loads; a BERT-style classifier on labelled text; LoRA adapters on a
-Llama-style folder classifying named classes under FSDP; a hub id refused."""
+Llama-style folder classifying named classes under FSDP, and fine-tuned on instructions (SFT with the
+folder's chat template, the loss on the answers) under FSDP; a hub id refused."""
 
 import math
 
@@ -13,7 +14,7 @@ import torch
 from tests.e2e.test_text_pipeline import TEXT, _run
 from tests.hf_models import bert_folder, gpt2_folder, llama_folder
 from training.config.fields import ConfigError
-from training.data.synthetic import make_text_dataset
+from training.data.synthetic import make_instructions_dataset, make_text_dataset
 from training.results.text_model import load_text_folder, predict_text
 
 pytestmark = pytest.mark.slow
@@ -117,6 +118,48 @@ def test_lora_on_a_llama_folder_classifies_named_classes_under_fsdp(airflow_db, 
     x = torch.tensor([AutoTokenizer.from_pretrained(folder)("The import statement")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=x).logits, merged(input_ids=x).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_sft_with_lora_on_a_chat_llama_folder_answers_held_out_prompts(airflow_db, tmp_path, monkeypatch):
+    """Instruction data (make-data --kind instructions) rendered with the folder's chat template: the
+    run records the rendering and how the examples packed, scores the answers (loss and bits per
+    byte), writes held-out prompts with generated and reference answers, and registers the merged
+    model, whose adapter loads with peft on the base."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+    from peft import PeftModel
+
+    from training.tracking.run import read_summary
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = llama_folder(tmp_path / "llama", chat=True)
+    make_instructions_dataset(tmp_path / "instructions")
+    conf = {**{k: v for k, v in HF.items() if k != "text_column"}, "model": f"hf:{folder}",
+            "dataset_uri": str(tmp_path / "instructions"), "messages_column": "messages", "seq_len": 256,
+            "batch_size": 8, "adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_targets": "all-linear",
+            "strategy": "fsdp", "steps": 20, "lr": 3e-3, "experiment": "hf-sft", "store_uri": (tmp_path / "store").as_uri()}
+    states, client, run = _run(conf)
+    assert set(states.values()) == {"success"}, states
+    m, tags = run.data.metrics, run.data.tags
+    assert tags["sft.rendering"] == f"the chat template of hf:{folder}"
+    summary = read_summary(run.info.run_id, client)
+    assert summary["validation_truncated_share"] == 0
+    assert 0 < summary["validation_answer_tokens"] < summary["validation_tokens"]
+    assert 0 < m["eval/bits_per_byte"] and m["eval/loss"] < math.log(514), m
+    samples = MlflowClient().download_artifacts(run.info.run_id, "samples/samples.json", str(tmp_path / "dl"))
+    samples = json.loads(open(samples).read())
+    assert samples["prompts"][0].endswith("<|im_start|>assistant\n") and len(samples["answers"]) == len(samples["greedy"])
+    step = tags["checkpoint.uri"].rsplit("/", 1)[-1]
+    exported = tmp_path / "store" / "hf-sft" / run.info.run_id / step
+    merged = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).eval()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), exported / "adapter").eval()
+    x = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=x).logits, merged(input_ids=x).logits, rtol=1e-4, atol=1e-4)
+    version = client.get_model_version_by_alias("hf-sft", "champion")
+    assert version.tags["adapter.base_model"] == f"hf:{folder}"
 
 
 def test_a_hub_id_is_refused_naming_the_download(tmp_path):

@@ -32,7 +32,8 @@ def _other_value(spec):
 def test_every_field_round_trips_through_set_arguments():
     values = {name: _other_value(spec) for name, spec in specs(TrainConfig).items()}
     values.update(dataset_uri="/data/x", strategy="ddp", precision="fp32", comm_hook="fp16", model="hf:/models/llama",
-                  lora_targets="q_proj,v_proj",
+                  lora_targets="q_proj,v_proj", prompt_column=None, response_column=None, messages_column=None,
+                  chat_template=None,  # SFT's fields: their rules are tests/training/test_sft.py's
                   target_metric="eval/accuracy", target_value=0.5, eval_every=5,
                   metrics_host="0.0.0.0", dp_replicate=1, dp_shard=-1)  # ddp (for comm_hook) has no mesh to shape
     args = set_args(TrainConfig, values)

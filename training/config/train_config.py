@@ -7,6 +7,9 @@ here and using it where it matters, nothing else.
 Rules *between* fields are ``check_*`` functions below; every mistake raises ``ConfigError`` whose
 message names the field and says how to fix it. Nothing here touches the file system, starts a
 process group or imports torch, so a bad config is refused before any compute is spent.
+
+It is one module on purpose, however long: the fields and the rules between them are one contract
+(the form, the CLI and the docs are generated from it), read and reviewed in one place.
 """
 
 from __future__ import annotations
@@ -136,6 +139,24 @@ class TrainConfig:
         None, "comma-separated names of the modules that get adapters (e.g. q_proj,k_proj,v_proj,o_proj), or all-linear; "
         "empty: peft's default for the architecture (Llama/Qwen/Mistral: q_proj,v_proj; GPT-2: c_attn; BERT: "
         "query,value)", title="LoRA target modules", pattern=LORA_TARGETS_PATTERN, section=ADAPT)
+    prompt_column: str | None = knob(
+        None, "supervised fine-tuning: the column of prompts (strings); with response_column, each row is a prompt and "
+        "its answer, the loss falls on the answer's tokens only, and examples are packed into seq_len windows "
+        "without attending across them", title="Prompt column", section=ADAPT)
+    response_column: str | None = knob(
+        None, "supervised fine-tuning: the column of answers to prompt_column's prompts", title="Response column",
+        section=ADAPT)
+    messages_column: str | None = knob(
+        None, "supervised fine-tuning on conversations: the column of lists of {role, content} (roles system, user, "
+        "assistant, tool), rendered with the chat template; the loss falls on the assistant turns",
+        title="Messages column", section=ADAPT)
+    chat_template: str | None = knob(
+        None, "how examples become text: the path of a Jinja chat template; none: prompt + response + end-of-text "
+        "as plain text; empty: the hf: model's own template (tokenizer_config.json), else plain text",
+        title="Chat template", section=ADAPT)
+    max_truncated_share: float = knob(
+        0.05, "supervised fine-tuning: the largest share of examples longer than seq_len + 1 tokens (cut to it) the "
+        "tokenize step accepts", title="Largest share of examples cut", minimum=0, maximum=1, section=ADAPT)
     strategy: Literal["ddp", "fsdp"] = knob(
         "ddp", "ddp: a replica per rank, bucketed all-reduce overlapped with backward; fsdp: FSDP2 fully_shard per "
         "block (parameters, gradients and optimizer state sharded)", title="Strategy", tag=True)
@@ -327,6 +348,15 @@ class TrainConfig:
         return {"type": self.adapter, "r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
                 "targets": targets or None}
 
+    def sft_spec(self) -> dict[str, str] | None:
+        """The columns supervised fine-tuning reads (``DataOptions.sft``), None without them."""
+        return sft_columns(self.prompt_column, self.response_column, self.messages_column)
+
+    @property
+    def is_text(self) -> bool:
+        """Text data, trained from the token windows the tokenize step makes: documents or SFT examples."""
+        return bool(self.text_column) or self.sft_spec() is not None
+
     @property
     def has_target(self) -> bool:
         return self.target_metric != "none"
@@ -388,8 +418,10 @@ def check_rules(cfg: TrainConfig) -> None:
         if cfg.target_metric in ("eval/accuracy", "eval/r2") and not 0.0 < cfg.target_value <= 1.0:
             raise ConfigError("target_value", f"{cfg.target_value!r} is not a reachable {cfg.target_metric}",
                               "use a value in (0, 1], e.g. 0.8")
-        check_target_task(cfg.target_metric, task=cfg.task, text_column=cfg.text_column)
-    if cfg.text_column:
+        check_target_task(cfg.target_metric, task=cfg.task, text_column=cfg.text_column,
+                          data_task="language_modeling" if cfg.sft_spec() else None)
+    check_sft(cfg)
+    if cfg.is_text:
         check_tokenizer(cfg.tokenizer or "")
     elif cfg.tokenizer:
         raise ConfigError("tokenizer", f"{cfg.tokenizer!r} tokenizes text, but text_column is empty",
@@ -403,6 +435,40 @@ def check_rules(cfg: TrainConfig) -> None:
     if cfg.model == "transformer" and cfg.hidden % cfg.n_heads:
         raise ConfigError("n_heads", f"hidden={cfg.hidden} is not divisible by n_heads={cfg.n_heads}",
                           "choose n_heads dividing hidden (the transformer's width)")
+
+
+def sft_columns(prompt: str | None, response: str | None, messages: str | None) -> dict[str, str] | None:
+    """The columns supervised fine-tuning reads: conversations, or a prompt and its response; None
+    without them (``TrainConfig`` refuses a half pair or both kinds)."""
+    if messages:
+        return {"messages_column": messages}
+    if prompt or response:
+        return {"prompt_column": prompt or "", "response_column": response or ""}
+    return None
+
+
+def check_sft(cfg: TrainConfig) -> None:
+    """Supervised fine-tuning's columns: a prompt with its response, or conversations; not beside documents."""
+    if cfg.messages_column and (cfg.prompt_column or cfg.response_column):
+        field = "prompt_column" if cfg.prompt_column else "response_column"
+        raise ConfigError(field, "is set beside messages_column: an example is a prompt and a response, or a "
+                          "conversation", f"leave {field} empty, or messages_column")
+    for one, other in (("prompt_column", "response_column"), ("response_column", "prompt_column")):
+        if getattr(cfg, one) and not getattr(cfg, other):
+            raise ConfigError(other, f"is empty but {one} is {getattr(cfg, one)!r}: an example is a prompt and its "
+                              "answer", f"name the column of {other.split('_')[0]}s in {other}")
+    if cfg.sft_spec() is None:
+        if cfg.chat_template:
+            raise ConfigError("chat_template", "renders SFT examples, but neither prompt_column nor messages_column "
+                              "is set", "name the prompt and response columns, or the messages column")
+        return
+    if cfg.text_column:
+        raise ConfigError("text_column", f"is {cfg.text_column!r} beside supervised fine-tuning's columns: documents "
+                          "train on every token, examples on their answers", "leave text_column empty for SFT, or the "
+                          "prompt/response/messages columns for a language model on documents")
+    if cfg.task not in ("auto", "language_modeling"):
+        raise ConfigError("task", f"{cfg.task} has a label, and supervised fine-tuning trains a language model on "
+                          "answers", "set task=auto")
 
 
 def _divisor_near(n: int, want: int) -> int:

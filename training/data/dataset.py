@@ -63,7 +63,7 @@ class Dataset:
         table's is inferred from train read one row group at a time (its label column only, but
         every column in the one-table layout, whose split hashes them); text reads train whole."""
         if self._meta is None:
-            if self.options.text_column:
+            if self.options.is_text:
                 self._meta = describe(self.layout.meta, self.options, lambda: self.table("train"))
             else:
                 parts = self.parts("train")

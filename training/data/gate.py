@@ -28,6 +28,7 @@ from training.data.batches import Totals
 from training.data.dataset import Dataset
 from training.data.expectations import build_suite
 from training.data.gate_batched import batched, inferred_in_batches, rows_per_batch
+from training.data.sft import checks as sft_checks
 from training.data.text import text_checks
 from training.config.fields import ConfigError
 from training.data.schema import (  # noqa: F401 (the gate's schema types, importable from here too)
@@ -120,7 +121,9 @@ def gate(dataset: str | Path | Dataset, *, options: DataOptions | None = None, e
         train_totals = batched(ds, schema, rows_per_batch(ds, batch_rows), context, source, report, fail)
         report["data_schema"] = _data_schema(ds, schema, report, train_totals)
         tables = {}
-    if schema.kind == "text":  # what a suite of column expectations cannot say about documents
+    if schema.kind == "text" and ds.meta.get("sft"):  # examples: answers, roles, assistant turns
+        text_lines, report["sft"] = sft_checks(tables, ds.meta["sft"])
+    elif schema.kind == "text":  # what a suite of column expectations cannot say about documents
         text_lines, report["text"], tables = text_checks(tables, ds.meta["text_column"])
     for split, table in tables.items():
         # One pandas block per column: no copy into a 2-D block, and column access (GX touches

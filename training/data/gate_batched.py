@@ -27,7 +27,7 @@ def rows_per_batch(ds: Dataset, batch_rows: int | None) -> int | None:
     """Rows per batch when ``ds`` is to be checked in batches: tables (not text, whose checks
     compare documents across splits) over ``BATCH_BYTES`` or asked for."""
     meta = ds.layout.meta or {}
-    if ds.options.text_column or meta.get("kind") == "text":
+    if ds.options.is_text or meta.get("kind") == "text":
         return None
     if batch_rows:
         return int(batch_rows)

@@ -19,12 +19,28 @@ class DataOptions:
     validation_fraction: float = 0.2
     split_seed: int = 0
     text_column: str = ""  # set: the data is text (documents, or token ids as list<int>)
+    # set: supervised fine-tuning examples ({"prompt_column", "response_column"} or {"messages_column"})
+    sft: tuple[tuple[str, str], ...] | None = None
+
+    @property
+    def is_text(self) -> bool:
+        return bool(self.text_column) or self.sft is not None
 
     @classmethod
     def of(cls, cfg: Any) -> "DataOptions":
         return cls(label_column=cfg.label_column, feature_columns=parse_columns(cfg.feature_columns), task=cfg.task,
                    validation_fraction=cfg.validation_fraction, split_seed=cfg.split_seed,
-                   text_column=getattr(cfg, "text_column", "") or "")
+                   text_column=getattr(cfg, "text_column", "") or "", sft=_sft_of(cfg))
+
+
+SFT_FIELDS = ("prompt_column", "response_column", "messages_column")
+
+
+def _sft_of(cfg: Any) -> tuple[tuple[str, str], ...] | None:
+    from training.config.train_config import sft_columns
+
+    sft = sft_columns(*(getattr(cfg, f, None) for f in SFT_FIELDS))
+    return tuple(sorted(sft.items())) if sft else None
 
 
 def parse_columns(value: str | None) -> tuple[str, ...] | None:

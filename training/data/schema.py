@@ -212,6 +212,8 @@ def describe(meta: dict[str, Any] | None, options: DataOptions, train: Callable[
         if task == "regression":
             out["n_classes"] = 1
         return out
+    if options.sft is not None:
+        return _describe_sft(train(), dict(options.sft))
     if options.text_column:
         return _describe_text(train(), options)
     described = _describe_table(train(), options, label_scan)
@@ -280,6 +282,32 @@ def _describe_text(table, options: DataOptions) -> dict[str, Any]:
                               "set task=auto for a language model on the text, or name the label in label_column")
         out.update(task="language_modeling", task_reason=f"text without a label column ({label!r}): a language model")
     return out
+
+
+def _describe_sft(table, sft: dict[str, str]) -> dict[str, Any]:
+    """A table of SFT examples: prompt and response strings, or conversations (a list of
+    {role, content} structs); a language model trained on the answers (training/data/sft.py)."""
+    import pyarrow as pa
+
+    names = table.column_names
+    for fld, col in sft.items():
+        if col not in names:
+            raise ConfigError(fld, f"{col!r} is not a column of the train split (its columns: {', '.join(names)})",
+                              f"set {fld} to the column that holds the {fld.split('_')[0]}s")
+        ctype = table.schema.field(col).type
+        if fld == "messages_column":
+            ok = ((pa.types.is_list(ctype) or pa.types.is_large_list(ctype)) and pa.types.is_struct(ctype.value_type)
+                  and {"role", "content"} <= {f.name for f in ctype.value_type})
+            if not ok:
+                raise ConfigError(fld, f"{col!r} holds {type_name(ctype)} values, not conversations",
+                                  "write each row as a list of {role, content} structs (strings)")
+        elif family(ctype) != "string":
+            raise ConfigError(fld, f"{col!r} holds {type_name(ctype)} values, not text", "write the examples as strings")
+    what = "conversations" if "messages_column" in sft else f"prompts {sft.get('prompt_column')!r} and answers " \
+        f"{sft.get('response_column')!r}"
+    return {"kind": "text", "text_format": "sft", "sft": dict(sft), "features": list(sft.values()), "label": None,
+            "task": "language_modeling", "source": "inferred from the train split",
+            "task_reason": f"supervised fine-tuning on {what}: a language model trained on the answers"}
 
 
 def _features(table, options: DataOptions) -> tuple[list[str], list[str]]:

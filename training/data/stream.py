@@ -74,7 +74,7 @@ class NpyBlocks:
         """The rows of ``blocks`` (ascending) in one array each, in the file's dtype."""
         total = sum(self.sizes[b] for b in blocks)
         x = np.empty((total, *self.rows.shape[1:]), dtype=self.rows.dtype)
-        y = np.empty(total, dtype=self.labels.dtype) if self.labels is not None else None
+        y = np.empty((total, *self.labels.shape[1:]), dtype=self.labels.dtype) if self.labels is not None else None
         at = 0
         for b in blocks.tolist():
             k = self.sizes[b]

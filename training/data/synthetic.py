@@ -194,8 +194,48 @@ def make_text_dataset(root: str | Path, *, validation_share: float = 0.2, labels
     return {"kind": "text", "text_column": "text", "label": "label" if labels else None, "rows": counts}
 
 
+INSTRUCTIONS = (  # (the instruction, how its answer follows from the words): learnable from the prompt alone
+    ("Write these words in capitals:", lambda words: " ".join(w.upper() for w in words)),
+    ("Write these words in reverse order:", lambda words: " ".join(reversed(words))),
+    ("Give the first and the last of these words:", lambda words: f"{words[0]} {words[-1]}"),
+)
+
+
+def make_instructions_dataset(root: str | Path, *, validation_share: float = 0.2, words: int = 6) -> dict[str, Any]:
+    """Instruction data for supervised fine-tuning, from ``python_help_paragraphs``: each example
+    an instruction over the first ``words`` words of a paragraph and its answer (the words in
+    capitals, in reverse order, or the first and the last). Three columns in train/ and
+    validation/ Parquet files: ``prompt`` and ``response`` (strings), and ``messages`` (the same
+    as a conversation after a system turn: ``[{role, content}]``). A paragraph goes to validation
+    by a hash of its text, as ``make_text_dataset`` splits."""
+    import hashlib
+
+    root = Path(root)
+    examples, seen = [], set()
+    for i, para in enumerate(python_help_paragraphs()):
+        picked = [w.strip(".,:;()\"'`") for w in para.split()[:words]]
+        picked = [w for w in picked if w]
+        instruction, answer = INSTRUCTIONS[i % len(INSTRUCTIONS)]
+        prompt = f"{instruction} {' '.join(picked)}"
+        if len(picked) < 3 or prompt in seen:  # paragraphs that begin alike: one example each
+            continue
+        seen.add(prompt)
+        examples.append((para, prompt, answer(picked)))
+    counts = {}
+    for split, keep in (("train", False), ("validation", True)):
+        part = [(p, r) for d, p, r in examples if (hashlib.sha256(d.encode()).digest()[0] < 256 * validation_share) == keep]
+        prompts, responses = [p for p, _ in part], [r for _, r in part]
+        messages = [[{"role": "system", "content": "Answer with the words only."}, {"role": "user", "content": p},
+                     {"role": "assistant", "content": r}] for p, r in part]
+        _write_split(root, split, {"prompt": prompts, "response": responses, "messages": messages})
+        counts[split] = len(part)
+    return {"kind": "text", "prompt_column": "prompt", "response_column": "response", "messages_column": "messages",
+            "rows": counts}
+
+
 GENERATORS = {"teacher": make_teacher_dataset, "digits": make_digits_dataset, "markov": make_markov_dataset,
-              "text": make_text_dataset, "text-classes": lambda root: make_text_dataset(root, labels=True, names=True)}
+              "text": make_text_dataset, "text-classes": lambda root: make_text_dataset(root, labels=True, names=True),
+              "instructions": make_instructions_dataset}
 
 
 def read_meta(root: str | Path) -> dict[str, Any]:

@@ -40,8 +40,9 @@ PROMPTS = 4  # validation documents whose beginning the samples continue
 PROMPT_CHARS = 80
 
 
-def shard_key(fingerprint: str, tokenizer_sha256: str, seq_len: int, text_column: str, label: str | None = None) -> str:
-    parts = (str(FORMAT), fingerprint, tokenizer_sha256, str(seq_len), text_column, label or "")
+def shard_key(fingerprint: str, tokenizer_sha256: str, seq_len: int, text_column: str, label: str | None = None,
+              sft: str = "") -> str:
+    parts = (str(FORMAT), fingerprint, tokenizer_sha256, str(seq_len), text_column, label or "") + ((sft,) if sft else ())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
@@ -85,12 +86,24 @@ def encode_documents(docs: list[Any], tok: LoadedTokenizer, *, special: bool = F
 
 
 def build(dataset: Dataset, *, text_column: str, tokenizer: LoadedTokenizer, seq_len: int, store_uri: str,
-          env: Mapping[str, str] | None = None) -> Built:
-    """The token shards of ``dataset`` in ``{store_uri}/tokens/{key}``: found there, or made now."""
+          env: Mapping[str, str] | None = None, model: str = "", model_folder: Path | None = None,
+          chat_template: str | None = None, max_truncated_share: float = 0.05) -> Built:
+    """The token shards of ``dataset`` in ``{store_uri}/tokens/{key}``: found there, or made now.
+    SFT examples (``dataset.meta["sft"]``) are rendered with ``chat_template`` (or the template in
+    the hf: ``model``'s ``model_folder``) and packed (training/data/sft.py)."""
     t0 = time.perf_counter()
     meta = dataset.meta
     label = meta.get("label") if meta.get("task") == "classification" else None
-    key = shard_key(dataset.fingerprint, tokenizer.sha256, seq_len, text_column, label)
+    rend, sft_part = None, ""
+    if meta.get("sft"):
+        from training.data import sft
+
+        rend = sft.renderer(chat_template, model=model, tokenizer=tokenizer.tokenizer, eot_id=tokenizer.eot_id,
+                            messages="messages_column" in meta["sft"], model_folder=model_folder)
+        text_column = ",".join(sft.columns(meta["sft"]))
+        sft_part = json.dumps({"columns": meta["sft"], "template": rend.template, "cut": max_truncated_share},
+                              sort_keys=True)
+    key = shard_key(dataset.fingerprint, tokenizer.sha256, seq_len, text_column, label, sft_part)
     store = open_store(store_uri, env, field="store_uri")
     prefix = f"tokens/{key}"
     raw = store.get_bytes(f"{prefix}/{MANIFEST}")
@@ -107,7 +120,11 @@ def build(dataset: Dataset, *, text_column: str, tokenizer: LoadedTokenizer, seq
                     if tokenizer.tokenizer.token_to_id(t) is not None), tokenizer.vocab_size)
         stats.update(label=label, classes=list(meta["classes"]), pad_id=int(pad))
     arrays: dict[str, np.ndarray] = {}
-    for split in SPLITS:
+    if rend is not None:
+        stats["sft"] = {"columns": meta["sft"], "rendering": rend.source,
+                        "stop_id": rend.stop_id(tokenizer.tokenizer, tokenizer.eot_id)}
+        _build_sft(dataset, meta["sft"], rend, tokenizer, seq_len, max_truncated_share, stats, arrays)
+    for split in SPLITS if rend is None else ():
         table = dataset.table(split)
         docs = [d for d in documents(table, text_column) if d is not None]
         # A classifier's document is one sequence: the tokenizer's template ([CLS] ... [SEP]) applies.
@@ -129,6 +146,41 @@ def build(dataset: Dataset, *, text_column: str, tokenizer: LoadedTokenizer, seq
         if split == "validation" and docs and isinstance(docs[0], str):
             stats["prompts"] = [d[:PROMPT_CHARS] for d in docs[:PROMPTS]]
         arrays[split] = windows.astype(np.uint16 if tokenizer.vocab_size < 65_535 else np.int32)
+    return _write(store, prefix, key, arrays, tokenizer, stats, t0)
+
+
+def _build_sft(dataset: Dataset, columns: dict[str, str], rend, tokenizer: LoadedTokenizer, seq_len: int,
+               max_cut: float, stats: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """SFT examples rendered, tokenized and packed per split (training/data/sft.py); refused
+    (ConfigError naming ``seq_len``) when more than ``max_cut`` of a split's examples are cut."""
+    from training.data import sft
+
+    for split in SPLITS:
+        convs = [c for c in sft.conversations(dataset.table(split), columns) if c is not None]
+        ids, masks, answer_bytes = sft.encode(convs, rend, tokenizer.tokenizer, tokenizer.eot_id)
+        packed = sft.pack(ids, masks, seq_len, tokenizer.eot_id)
+        s = packed.stats
+        if s["truncated_share"] > max_cut:
+            longest = max(len(t) for t in ids)
+            raise ConfigError("seq_len", f"{s['truncated']} of the {split} split's {s['examples']} examples "
+                              f"({s['truncated_share']:.1%}) are longer than seq_len + 1 = {seq_len + 1} tokens (the "
+                              f"longest: {longest}); at most {max_cut:.1%} may be cut (max_truncated_share)",
+                              f"raise seq_len to {longest - 1} or more, or max_truncated_share, or shorten the examples")
+        if not s["answer_tokens"]:
+            raise ConfigError("seq_len", f"the {split} split has no answer token within seq_len + 1 = {seq_len + 1}",
+                              "raise seq_len")
+        stats["splits"][split] = {**s, "documents": s["examples"], "bytes": answer_bytes,
+                                  "tokens_per_byte": s["answer_tokens"] / answer_bytes if answer_bytes else None,
+                                  "unrepresented_bytes": 0, "unrepresented_share": 0.0}
+        if split == "validation":
+            stats["prompts"] = [rend.prompt(c) for c in convs[:PROMPTS]]
+            stats["answers"] = [next(t["content"] for t in c if t["role"] == "assistant") for c in convs[:PROMPTS]]
+        arrays[split] = packed.windows.astype(np.uint16 if tokenizer.vocab_size < 65_535 else np.int32)
+        arrays[f"{split}_labels"] = packed.labels
+
+
+def _write(store, prefix: str, key: str, arrays: dict[str, np.ndarray], tokenizer: LoadedTokenizer,
+           stats: dict[str, Any], t0: float) -> Built:
     with tempfile.TemporaryDirectory(prefix="tokens-") as tmp:
         files = []
         for split, arr in arrays.items():
@@ -148,6 +200,28 @@ def build(dataset: Dataset, *, text_column: str, tokenizer: LoadedTokenizer, seq
                  seconds=time.perf_counter() - t0)
 
 
+def build_for(cfg: Any, data: Dataset, store_uri: str, env: Mapping[str, str] | None = None, *,
+              model_folder: Path | None = None) -> tuple[Built, LoadedTokenizer]:
+    """``build`` as a run's fields say (a TrainConfig): its tokenizer resolved (by default the hf:
+    model's own, in ``model_folder``, else bytes; ``bpe:N`` trained on the train split's documents,
+    or on an SFT table's turns) and, for SFT, its chat template and cut bound."""
+    from training.data.tokenizer import resolve
+
+    def train_documents() -> list[Any]:
+        if data.meta.get("sft"):
+            from training.data.sft import conversations
+
+            return [t["content"] for c in conversations(data.table("train"), data.meta["sft"]) if c for t in c]
+        return documents(data.table("train"), cfg.text_column)
+
+    default = str(model_folder) if model_folder is not None else "bytes"
+    loaded = resolve(cfg.tokenizer, env=env, default=default, train_documents=train_documents)
+    built = build(data, text_column=cfg.text_column or "", tokenizer=loaded, seq_len=cfg.seq_len, store_uri=store_uri,
+                  env=env, model=cfg.model, model_folder=model_folder, chat_template=cfg.chat_template,
+                  max_truncated_share=cfg.max_truncated_share)
+    return built, loaded
+
+
 class TokenDataset:
     """Token shards opened for training and scoring: a dataset of kind ``tokens`` whose splits are
     the windows (int64 ``[n, seq_len + 1]``, no labels). ``meta`` carries the vocabulary, the
@@ -163,6 +237,9 @@ class TokenDataset:
             "label": None, "vocab_size": s["vocab_size"], "n_classes": s["vocab_size"], "seq_len": s["seq_len"],
             "source": f"token shards {uri}", "tokens": s["splits"], "tokenizer_sha256": s["tokenizer_sha256"],
             "task_reason": f"text of {s['text_column']!r} through the tokenizer {s['tokenizer']}"}
+        if s.get("sft"):  # packed examples: the labels are positions and answer marks
+            self.meta.update(sft=s["sft"], task_reason=f"supervised fine-tuning ({s['sft']['rendering']}), the "
+                             "loss on the answers")
         if s.get("label"):  # a classifier's rows: the padding id is one past the tokenizer's
             self.meta.update(kind="text", task="classification", label=s["label"], classes=s["classes"],
                              n_classes=len(s["classes"]), vocab_size=max(s["vocab_size"], s["pad_id"] + 1),
@@ -172,7 +249,7 @@ class TokenDataset:
 
     def split(self, name: str, spec: Any = None, *, limit: int | None = None) -> Split:
         """Split ``name`` in memory (int64); ``limit``: its first rows only, read from the files."""
-        labelled = self.meta["kind"] == "text"
+        labelled = self.meta["kind"] == "text" or "sft" in self.meta
         if limit is not None and name not in self._splits:  # the first rows only, not the whole shard
             rows = NpyRows(self.folder / f"{name}.npy")
             windows = rows.read(0, min(limit, rows.shape[0])).astype(np.int64)
@@ -201,7 +278,7 @@ class TokenDataset:
         return source
 
     def _check_width(self, width: int, spec: Any) -> None:
-        reads = width - (0 if self.meta["kind"] == "text" else 1)
+        reads = width - (0 if self.meta["kind"] == "text" else 1)  # SFT windows: seq_len + 1, as a language model's
         if spec is not None and spec.seq_len is not None and spec.seq_len != reads:
             raise ConfigError("seq_len", f"the model reads {spec.seq_len} tokens but the shards hold rows of "
                               f"{reads}", "score the model on shards of its own seq_len")

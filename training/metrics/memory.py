@@ -136,7 +136,9 @@ def count_step(spec, example_shape: tuple[int, ...], example_dtype: str, *, micr
         for p in params:  # MemTracker hooks every parameter's gradient; a frozen base's saved inputs are
             p.requires_grad_(True)  # still kept for the adapters' backward, and gradients are not activations
         x = torch.zeros((micro_batch, *example_shape), dtype=getattr(torch, example_dtype))
-        y = torch.zeros((micro_batch,), dtype=getattr(torch, label_dtype)) if label_dtype else None
+        # Packed SFT windows' labels (tokens with labels) are counted as a language model's step: the
+        # same activations but for the block mask ([batch, 1, seq, seq] booleans, small beside them).
+        y = torch.zeros((micro_batch,), dtype=getattr(torch, label_dtype)) if label_dtype and spec.kind != "tokens" else None
         inputs, target = split_batch(spec.kind, x, y)
         tracker = _activation_tracker()
         tracker.track_external(model)

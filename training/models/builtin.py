@@ -54,11 +54,16 @@ class CNN(nn.Module):
         return self.head(self.features(x))
 
 
-def rotary_angles(head_dim: int, positions: int, like: torch.Tensor, base: float = 10_000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_angles(head_dim: int, positions: int | torch.Tensor, like: torch.Tensor,
+                  base: float = 10_000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding (RoPE): the cosines and sines by which queries and keys are
-    rotated, pairwise over the head dimension, per position. Computed per forward from the shape
-    (a few thousand numbers): no buffer in the model's state, nothing cached across calls."""
+    rotated, pairwise over the head dimension, per position (``positions``: how many, 0 on; or
+    each row's positions, [batch, n]). Computed per forward (a few thousand numbers): no buffer in
+    the model's state, nothing cached across calls."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=like.device, dtype=torch.float32) / head_dim)
+    if isinstance(positions, torch.Tensor):
+        angles = positions.to(torch.float32)[..., None] * inv_freq
+        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
     angles = torch.outer(torch.arange(positions, device=like.device, dtype=torch.float32), inv_freq)
     return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
 
@@ -137,10 +142,22 @@ class Transformer(nn.Module):
             nn.init.normal_(m.weight, 0.0, 0.02 / math.sqrt(2 * len(self.blocks)))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx)
-        cos, sin = rotary_angles(self.head_dim, idx.shape[1], x)
+        keep = None
+        if idx.dim() == 3:  # packed SFT examples: ids and positions (training/data/sft.py)
+            idx, positions = idx[:, 0], idx[:, 1]
+            x = self.tok(idx)
+            cos, sin = rotary_angles(self.head_dim, positions, x)
+            cos, sin = cos[:, None], sin[:, None]  # [batch, 1, positions, head_dim / 2]: per row
+            # A token attends to the earlier tokens of its own example only (block-diagonal causal).
+            seg = torch.cumsum((positions == 0).to(torch.int64), dim=-1)
+            t = idx.shape[1]
+            causal = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril()
+            keep = ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+        else:
+            x = self.tok(idx)
+            cos, sin = rotary_angles(self.head_dim, idx.shape[1], x)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, keep)
         return self.head(self.norm(x))
 
 

@@ -185,6 +185,11 @@ class HFModel(nn.Module):
         return [m for m in self.model.modules() if type(m).__name__ in names]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.dim() == 3:  # packed SFT examples: ids and positions (training/data/sft.py)
+            # Positions that restart at 0 with no attention mask: transformers' masking builds the
+            # block-diagonal causal mask from them (masking_utils.find_packed_sequence_indices), for
+            # sdpa and eager attention alike, so no token attends to another example.
+            return self.model(input_ids=idx[:, 0], position_ids=idx[:, 1], use_cache=False).logits
         if not self.classifier:
             return self.model(input_ids=idx, use_cache=False).logits
         real = idx != self.pad_id

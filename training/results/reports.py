@@ -278,9 +278,13 @@ def run_plots(client, run_id: str, out: Path) -> list[Path]:
 
 def samples_markdown(samples: dict[str, Any]) -> str:
     """The model's text for a person: each prompt, then its greedy and its sampled continuation."""
-    lines = [f"# Samples\n\nValidation documents' beginnings continued by the model (tokenizer "
+    answers = samples.get("answers")  # SFT: held-out prompts, answered, beside the data's own answers
+    what = "Held-out prompts answered" if answers else "Validation documents' beginnings continued"
+    lines = [f"# Samples\n\n{what} by the model (tokenizer "
              f"{samples.get('tokenizer', '?')}; sampled: {samples.get('sampling', '')}).\n"]
     for i, prompt in enumerate(samples.get("prompts") or []):
         lines += [f"## Prompt {i + 1}\n", "```text", prompt, "```", "**Greedy:**\n", "```text",
                   samples["greedy"][i], "```", "**Sampled:**\n", "```text", samples["sampled"][i], "```\n"]
+        if answers:
+            lines += ["**The data's answer:**\n", "```text", answers[i], "```\n"]
     return "\n".join(lines) + "\n"

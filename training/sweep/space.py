@@ -27,7 +27,8 @@ PRUNERS = ("asha", "none")
 OBJECTIVES = ("auto", "eval/accuracy", "eval/loss", "eval/r2", "eval/rmse", "eval/bits_per_byte")
 # Where a sweep's trials take their values from, never from the space: they say where a trial's
 # files go, what it reads, or how many ranks it has (the base run's, the same for every trial).
-NOT_SEARCHABLE = ("dataset_uri", "label_column", "feature_columns", "task", "text_column", "validation_fraction",
+NOT_SEARCHABLE = ("dataset_uri", "label_column", "feature_columns", "task", "text_column", "prompt_column",
+                  "response_column", "messages_column", "chat_template", "validation_fraction",
                   "split_seed", "checkpoint_dir", "output_dir", "token_shards", "dataset_fingerprint", "metrics_port",
                   "metrics_host", "target_metric", "target_value", "eval_every", "steps")
 FIELD = "search_space"
