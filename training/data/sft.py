@@ -1,28 +1,10 @@
-"""Supervised fine-tuning data: examples of a prompt and its answer (``prompt_column`` +
-``response_column``) or conversations (``messages_column``: a list of ``{role, content}``), made
-into packed token windows whose loss falls on the answers only.
-
-Rendering. With a chat template (the ``chat_template`` field's file, else the ``hf:`` model's own
-from its tokenizer files) a conversation is rendered by ``transformers``' ``apply_chat_template``;
-prompt/response rows are a user turn and an assistant turn. ``chat_template=none`` (or no template
-anywhere) renders prompt/response as the prompt's text followed by the response's and the
-end-of-text token; a conversation then needs a template and is refused. The answer of an assistant
-turn is what rendering the conversation up to and including that turn adds to rendering it up to
-the turn before with the generation prompt (the template's ``<|assistant|>`` header is the prompt's,
-its end-of-turn marker the answer's): no ``{% generation %}`` markers are needed, but the template
-must render a conversation as the prefixes of its turns, which is checked for every example.
-
-Packing. Examples are laid into windows of ``seq_len + 1`` tokens in order, whole, each starting a
-new run of positions at 0; an example that does not fit the window's rest starts the next window
-(the rest is padding, a run of its own, never a target), and one longer than a window is cut to it
-(the share cut is recorded and bounded by ``max_truncated_share``). The models read the positions
-beside the ids: a token attends only to earlier tokens of its own example (a block-diagonal causal
-mask, derived from the position resets), and its rotary or learned position counts from the
-example's start, so a packed example is computed exactly as it would be alone.
-
-Each window's labels are ``position * 2 + is_answer`` (int32): ``split_batch`` makes the model's
-input (ids and positions) and the target (the next id where it is an answer token of the same
-example, else ignored) from them.
+"""Supervised fine-tuning data: prompt/response rows (``prompt_column`` + ``response_column``)
+or conversations (``messages_column``: lists of ``{role, content}``), rendered with a chat
+template (``Renderer``), their answers found by rendering prefixes, tokenized (``encode``) and
+packed whole into ``seq_len + 1`` windows with positions restarting per example (``pack``); each
+window's labels are ``position * 2 + is_answer``, which ``model_batch`` turns into the model's input
+(ids and positions) and the answer-only target. The gate's SFT checks are ``checks``. Why answers by
+prefix and packing by positions: docs/decisions/0010-sft-answers-by-prefix-and-packing-by-positions.md.
 """
 
 from __future__ import annotations
