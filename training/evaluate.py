@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from training.checkpoint.commit import CheckpointCorrupt, fetch_checkpoint
-from training.checkpoint.export import MODEL_CONFIG_FILE, MODEL_FILE, load_exported
+from training.checkpoint.export import EXPORTED, MODEL_FILE, is_exported, load_exported
 from training.distributed import precision
 from training.distributed.parallel import DistInfo, for_evaluation
 from training.metrics.formulas import bits_per_byte, target_reached
@@ -247,13 +247,14 @@ def run(*, store_uri: str, experiment: str, run_id: str, dataset_uri: str, work_
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         local, manifest, warnings = fetch_checkpoint(store_uri, experiment=experiment, run_id=run_id, dest=tmp,
                                                              env=store_env)
-        if not (local / MODEL_FILE).is_file():
+        if not is_exported(local):
             raise CheckpointCorrupt(f"{local.name} has no {MODEL_FILE}: not a final checkpoint")
         model, spec = load_exported(local)
         if keep_model_in:
-            Path(keep_model_in).mkdir(parents=True, exist_ok=True)
-            for name in (MODEL_FILE, MODEL_CONFIG_FILE):
-                shutil.copyfile(local / name, Path(keep_model_in) / name)
+            for name in EXPORTED:
+                if (local / name).is_file():
+                    (Path(keep_model_in) / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(local / name, Path(keep_model_in) / name)
     val = validation_for(dataset, spec)
     figures = score_spec(model, spec, val)
     meta = {} if isinstance(dataset, TokenDataset) else dataset.layout.meta or {}

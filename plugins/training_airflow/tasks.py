@@ -179,14 +179,14 @@ def tokenize(params: dict[str, Any], validated: Validated) -> Validated:
     and write them to the store, keyed by the data, the tokenizer and ``seq_len`` (a second run on
     the same finds them), then check the model on them; the ranks read the windows, never the text.
     Tables: nothing to tokenize, the run goes on as it came."""
-    if not any(params.get(f) for f in ("text_column", "prompt_column", "messages_column")):
+    cfg = train_config({**params, "dataset_uri": validated["dataset_uri"]})
+    if not cfg.is_text:
         log.info("a table of numbers: nothing to tokenize")
         return validated
     from training.data.dataset import open_dataset
     from training.data.tokens import build_for, open_shards
     from training.models import hf
 
-    cfg = train_config({**params, "dataset_uri": validated["dataset_uri"]})
     s3_env = store_env(params)
     data = open_dataset(validated["dataset_uri"], data_options(params), env=s3_env,
                         expect_fingerprint=validated["dataset_fingerprint"])

@@ -123,8 +123,9 @@ def test_lora_on_a_llama_folder_classifies_named_classes_under_fsdp(airflow_db, 
 def test_sft_with_lora_on_a_chat_llama_folder_answers_held_out_prompts(airflow_db, tmp_path, monkeypatch):
     """Instruction data (make-data --kind instructions) rendered with the folder's chat template: the
     run records the rendering and how the examples packed, scores the answers (loss and bits per
-    byte), writes held-out prompts with generated and reference answers, and registers the merged
-    model, whose adapter loads with peft on the base."""
+    byte), writes held-out prompts with generated and reference answers, and, with merge_adapter=false,
+    exports and registers the adapter alone: it loads with peft on the base, and the registered model
+    answers from the base read from its folder."""
     import json
 
     from mlflow.tracking import MlflowClient
@@ -139,7 +140,8 @@ def test_sft_with_lora_on_a_chat_llama_folder_answers_held_out_prompts(airflow_d
     conf = {**{k: v for k, v in HF.items() if k != "text_column"}, "model": f"hf:{folder}",
             "dataset_uri": str(tmp_path / "instructions"), "messages_column": "messages", "seq_len": 256,
             "batch_size": 8, "adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_targets": "all-linear",
-            "strategy": "fsdp", "steps": 20, "lr": 3e-3, "experiment": "hf-sft", "store_uri": (tmp_path / "store").as_uri()}
+            "strategy": "fsdp", "steps": 20, "lr": 3e-3, "experiment": "hf-sft", "store_uri": (tmp_path / "store").as_uri(),
+            "merge_adapter": False}
     states, client, run = _run(conf)
     assert set(states.values()) == {"success"}, states
     m, tags = run.data.metrics, run.data.tags
@@ -153,13 +155,17 @@ def test_sft_with_lora_on_a_chat_llama_folder_answers_held_out_prompts(airflow_d
     assert samples["prompts"][0].endswith("<|im_start|>assistant\n") and len(samples["answers"]) == len(samples["greedy"])
     step = tags["checkpoint.uri"].rsplit("/", 1)[-1]
     exported = tmp_path / "store" / "hf-sft" / run.info.run_id / step
-    merged = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).eval()
+    assert not (exported / "model.safetensors").exists(), "the base's weights are not stored again"
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), exported / "adapter").eval()
+    base = AutoModelForCausalLM.from_pretrained(folder).eval()
     x = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
-        torch.testing.assert_close(adapted(input_ids=x).logits, merged(input_ids=x).logits, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(adapted(input_ids=x).logits, base(input_ids=x).logits, atol=1e-4), "adapters trained"
     version = client.get_model_version_by_alias("hf-sft", "champion")
     assert version.tags["adapter.base_model"] == f"hf:{folder}"
+    served = mlflow.pyfunc.load_model("models:/hf-sft@champion")
+    answer = served.predict(pd.DataFrame({"text": [samples["prompts"][0]]}))
+    assert isinstance(answer[0], str), answer
 
 
 def test_a_hub_id_is_refused_naming_the_download(tmp_path):

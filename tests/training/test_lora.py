@@ -2,7 +2,7 @@
 base with adapters trains on 2 ranks (FSDP2 shards the frozen base too, DDP), only the adapters
 change, a rank killed mid-run resumes bit-identical, and the export is both the adapter folder
 ``PeftModel.from_pretrained`` loads on the base and the merged folder ``from_pretrained`` loads,
-answering alike. Bad adapter settings are refused before anything runs, naming the field."""
+answering alike (or, with merge_adapter=false, the adapter alone, which our loader builds on the base). Bad adapter settings are refused before anything runs, naming the field."""
 
 import json
 
@@ -53,6 +53,8 @@ def test_bad_adapter_settings_are_refused_naming_the_field(llama, tmp_path):
         TrainConfig(dataset_uri="x", model="mlp", adapter="lora")
     with pytest.raises(ConfigError, match=r"'lora_targets'"):
         TrainConfig(dataset_uri="x", model=f"hf:{llama}", adapter="lora", lora_targets="q_proj;v_proj")
+    with pytest.raises(ConfigError, match=r"'merge_adapter': false exports an adapter.*but adapter is none.*adapter=lora"):
+        TrainConfig(dataset_uri="x", model=f"hf:{llama}", merge_adapter=False)
     with pytest.raises(ConfigError, match=r"'lora_r'"):
         TrainConfig(dataset_uri="x", model=f"hf:{llama}", adapter="lora", lora_r=0)
     spec = _spec(llama, lora_targets="qkv_proj")
@@ -144,13 +146,51 @@ def test_lora_under_fsdp_killed_mid_run_resumes_bit_identical_and_exports_adapte
 
 
 @pytest.mark.slow
-def test_lora_under_ddp_with_activation_checkpointing(llama, windows, tmp_path):
+def test_lora_under_ddp_in_bf16_with_activation_checkpointing_exports_the_adapter_alone(llama, windows, tmp_path):
+    """merge_adapter=false: the export is the adapter folder and the spec, not the base's weights
+    again; our loader (evaluation, the registry) builds it on the base as peft does, and refuses a
+    base whose weights are no longer those trained on."""
+    import shutil
+
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from training.checkpoint.commit import CheckpointCorrupt
+    from training.checkpoint.export import load_exported, tensor_bytes
+    from training.util import sha256_file
+
     data, uri = windows
-    _ok(run_torchrun(2, _sets(llama, data, uri, tmp_path, "ddp", "activation_checkpointing=full"),
-                     env={"HF_HUB_OFFLINE": "1"}))
-    _check_export(llama, _exported(tmp_path))
+    _ok(run_torchrun(2, _sets(llama, data, uri, tmp_path, "ddp", "activation_checkpointing=full", "precision=bf16",
+                              "merge_adapter=false"), env={"HF_HUB_OFFLINE": "1"}))
     summary = json.loads((tmp_path / "out" / "train_summary.json").read_text())
     assert summary["final_step"] == STEPS
+    losses = _losses(tmp_path)
+    assert losses[STEPS] < losses[1], "the adapters learn under bf16 autocast"
+    step_dir = _exported(tmp_path)
+    assert not (step_dir / "model.safetensors").exists()
+    with safe_open(str(step_dir / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}, "fp32 master weights, bf16 compute only"
+    config = json.loads((step_dir / "model_config.json").read_text())["adapter"]
+    assert config["merged"] is False and config["base"]["sha256"] == sha256_file(llama / "model.safetensors")
+    assert tensor_bytes(step_dir) > (llama / "model.safetensors").stat().st_size * 0.99, "the base counts in its size"
+
+    ours, _ = load_exported(step_dir)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama, local_files_only=True),
+                                     step_dir / "adapter", local_files_only=True).eval()
+    base = AutoModelForCausalLM.from_pretrained(llama, local_files_only=True).eval()
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), peft(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(peft(input_ids=x).logits, base(input_ids=x).logits, atol=1e-4)
+
+    moved = tmp_path / "moved"  # the same export, recorded against a base whose weights differ
+    shutil.copytree(step_dir, moved)
+    spec = json.loads((moved / "model_config.json").read_text())
+    spec["adapter"]["base"]["sha256"] = "0" * 64
+    (moved / "model_config.json").write_text(json.dumps(spec))
+    with pytest.raises(CheckpointCorrupt, match=r"trained on .*model.safetensors with sha256 0{64}.*merge_adapter=true"):
+        load_exported(moved)
 
 
 def test_the_memory_preflight_counts_a_frozen_base_without_gradients_or_optimizer_state(llama):

@@ -10,6 +10,7 @@ them). Why by hand: docs/architecture.md "Bounded export".
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -28,6 +29,7 @@ MODEL_CONFIG_FILE = "model_config.json"
 TOKENIZER_FILE = "tokenizer.json"  # a language model's tokenizer, exported beside it
 HF_CONFIG_FILE = "config.json"  # an hf: model's: the folder is what from_pretrained loads
 ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")  # an adapter's, as peft saves it
+ADAPTER_WEIGHTS = ADAPTER_FILES[1]
 EXPORTED = (MODEL_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE, HF_CONFIG_FILE, *ADAPTER_FILES)  # the files of an export that exist
 CHECKPOINT_MODEL = "train.model."  # the model's tensors in a trainer checkpoint (TrainState, flattened by DCP)
 
@@ -117,11 +119,17 @@ def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path 
         path.mkdir(parents=True, exist_ok=True)
     adapted = spec.is_hf and bool(spec.arch.get("adapter")) and not spec.arch["adapter"].get("merged")
     merge = {}
-    if adapted:  # the adapters first, to their own folder; the merged model then
-        from training.models.hf import ADAPTER_DIR, merged, merges
+    if adapted:  # the adapters first, to their own folder; the merged model then, unless merge_adapter=false
+        from training.models.hf import ADAPTER_DIR, exported_arch, merged, merges
 
         merge = merges(inner)
         _export_adapter(state, inner, spec, path / ADAPTER_DIR, main)
+        if not spec.arch["adapter"].get("merge", True):
+            if main:
+                _write_beside(path, dataclasses.replace(spec, arch=exported_arch(spec.arch, spec.model, merged=False)),
+                              tokenizer_file)
+            dist.barrier()
+            return
 
     def whole():
         for name in order(layout):
@@ -135,11 +143,7 @@ def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path 
     write_streamed(path / MODEL_FILE if main else None, layout, whole(), _file_metadata(spec))
     if main:
         if adapted:
-            import dataclasses
-
-            from training.models.hf import merged_arch
-
-            spec = dataclasses.replace(spec, arch=merged_arch(spec.arch, spec.model))
+            spec = dataclasses.replace(spec, arch=exported_arch(spec.arch, spec.model, merged=True))
         _write_beside(path, spec, tokenizer_file)
     dist.barrier()
 
@@ -228,10 +232,25 @@ def read_spec(path: str | Path) -> ModelSpec:
 
 
 def tensor_bytes(path: str | Path) -> int:
-    """The bytes of the tensors of an exported folder's ``model.safetensors``, from its header alone."""
-    with open(Path(path) / MODEL_FILE, "rb") as f:
+    """The bytes of the tensors of an exported folder's ``model.safetensors`` (an adapter-only export's:
+    its base's and its adapter's), from their headers alone."""
+    path = Path(path)
+    if not (path / MODEL_FILE).is_file() and (path / ADAPTER_WEIGHTS).is_file():
+        from training.models.hf import base_weights
+
+        return _header_bytes(base_weights(read_spec(path))) + _header_bytes(path / ADAPTER_WEIGHTS)
+    return _header_bytes(path / MODEL_FILE)
+
+
+def _header_bytes(file: Path) -> int:
+    with open(file, "rb") as f:
         head = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
     return max((e["data_offsets"][1] for k, e in head.items() if k != "__metadata__"), default=0)
+
+
+def is_exported(path: str | Path) -> bool:
+    """Whether the folder holds an exported model: its weights, or an adapter-only export's adapter."""
+    return (Path(path) / MODEL_FILE).is_file() or (Path(path) / ADAPTER_WEIGHTS).is_file()
 
 
 def load_exported(path: str | Path):
@@ -247,9 +266,44 @@ def load_exported(path: str | Path):
 
     path = Path(path)
     spec = read_spec(path)
+    if not (path / MODEL_FILE).is_file() and (path / ADAPTER_WEIGHTS).is_file():
+        return _load_adapted(path / ADAPTER_WEIGHTS, spec).eval(), spec
     model = build_model(spec, meta=not spec.is_factory)
     tensors = load_file(str(path / MODEL_FILE))
     if spec.is_hf:  # the folder's names are the hf model's own
         tensors = {f"model.{k}": v for k, v in tensors.items()}
     assign_weights(model, tensors, path / MODEL_FILE)
     return model.eval(), spec  # for inference: dropout off
+
+
+def _load_adapted(adapter_file: Path, spec: ModelSpec) -> torch.nn.Module:
+    """An adapter-only export (``merge_adapter=false``) as a model: the base read from its folder,
+    refused when its weights are no longer those trained on, with the adapter's tensors (and a
+    classifier's head) from ``adapter_file``."""
+    from safetensors.torch import load_file
+
+    from training.checkpoint.commit import CheckpointCorrupt
+    from training.models.build import build_model
+    from training.models.hf import HFModel, adapter_names, base_weights
+    from training.util import sha256_file
+
+    base = spec.arch["adapter"]["base"]
+    weights = base_weights(spec)
+    found = sha256_file(weights) if weights.is_file() else "missing"
+    if found != base["sha256"]:
+        raise CheckpointCorrupt(
+            f"the adapter {adapter_file.parent} was trained on {weights} with sha256 {base['sha256']}, and that file "
+            f"is now {found if found == 'missing' else 'sha256 ' + found}: put the base it was trained on back at "
+            f"that path, or train again with merge_adapter=true for an export that holds the whole model")
+    model = build_model(spec, pretrained=True)
+    inner = next(m for m in model.modules() if isinstance(m, HFModel))  # Tabular may wrap it
+    own = inner.state_dict(keep_vars=True)
+    names = adapter_names(list(own), inner)
+    tensors = load_file(str(adapter_file))
+    missing = sorted(f for f in names.values() if f not in tensors)
+    if missing:
+        raise CheckpointCorrupt(f"{adapter_file} lacks {len(missing)} of the adapter's tensors, e.g. {missing[0]}")
+    with torch.no_grad():
+        for key, name in names.items():
+            own[key].copy_(tensors[name])
+    return model

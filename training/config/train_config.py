@@ -127,8 +127,8 @@ class TrainConfig:
     adapter: Literal["none", "lora"] = knob(
         "none", "an hf: model's weights stay frozen and low-rank adapters train beside them (LoRA through peft); "
         "a classifier's new head trains too. The export holds the adapter folder (PeftModel.from_pretrained on the "
-        "base) and the merged model (from_pretrained), with the base's path and sha256", title="Adapter", tag=True,
-        section=ADAPT)
+        "base), with the base's path and sha256, and the merged model (from_pretrained) unless merge_adapter=false",
+        title="Adapter", tag=True, section=ADAPT)
     lora_r: int = knob(8, "LoRA rank: the inner width of each adapter (trainable parameters grow with it)",
                        title="LoRA rank", minimum=1, maximum=4096, section=ADAPT)
     lora_alpha: float = knob(16.0, "LoRA scaling numerator: an adapter's update is scaled by lora_alpha / lora_r",
@@ -139,6 +139,10 @@ class TrainConfig:
         None, "comma-separated names of the modules that get adapters (e.g. q_proj,k_proj,v_proj,o_proj), or all-linear; "
         "empty: peft's default for the architecture (Llama/Qwen/Mistral: q_proj,v_proj; GPT-2: c_attn; BERT: "
         "query,value)", title="LoRA target modules", pattern=LORA_TARGETS_PATTERN, section=ADAPT)
+    merge_adapter: bool = knob(
+        True, "with an adapter: the export also holds the merged model (the base's size again, loaded by "
+        "from_pretrained alone); false: the adapter folder only, evaluated and registered on the base read from its "
+        "folder, whose sha256 must still be the one trained on", title="Export the merged model", section=ADAPT)
     prompt_column: str | None = knob(
         None, "supervised fine-tuning: the column of prompts (strings); with response_column, each row is a prompt and "
         "its answer, the loss falls on the answer's tokens only, and examples are packed into seq_len windows "
@@ -346,7 +350,7 @@ class TrainConfig:
         names = self.lora_targets or ""
         targets = [t for t in names.split(",") if t] if names != "all-linear" else "all-linear"
         return {"type": self.adapter, "r": self.lora_r, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
-                "targets": targets or None}
+                "targets": targets or None, "merge": self.merge_adapter}
 
     def sft_spec(self) -> dict[str, str] | None:
         """The columns supervised fine-tuning reads (``DataOptions.sft``), None without them."""
@@ -368,7 +372,7 @@ class TrainConfig:
         """Hash of what determines the trained weights (not where files go)."""
         # Evaluation during training reads the weights but never changes them.
         skip = ("checkpoint_dir", "output_dir", "eval_every", "target_metric", "target_value", "dataset_fingerprint",
-                "retention_keep_last", "token_shards", "metrics_port", "metrics_host", "stall_after_s")
+                "retention_keep_last", "token_shards", "metrics_port", "metrics_host", "stall_after_s", "merge_adapter")
         keep = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -397,6 +401,9 @@ def check_rules(cfg: TrainConfig) -> None:
         raise ConfigError("adapter", f"{cfg.adapter} adapts a pretrained Hugging Face model, but model is {cfg.model!r}",
                           "use model=hf:<folder with config.json and model.safetensors>, or adapter=none to train "
                           "every weight")
+    if not cfg.merge_adapter and cfg.adapter == "none":
+        raise ConfigError("merge_adapter", "false exports an adapter without its merged model, but adapter is none",
+                          "use adapter=lora, or leave merge_adapter=true")
     if cfg.precision == "fp16" and cfg.strategy == "fsdp":
         raise ConfigError("precision", "fp16 with fsdp is not supported (loss scaling of sharded gradients)",
                           "use precision=bf16 with fsdp, or strategy=ddp for fp16")

@@ -299,10 +299,16 @@ def write_adapter_config(path: Path, model: nn.Module, base: str) -> None:
     config.save_pretrained(str(path))
 
 
-def merged_arch(arch: dict[str, Any], model: str) -> dict[str, Any]:
-    """The ``arch`` of a merged export: the adapter marked merged (the model is built without one) with
-    the base model's identity, its folder and the sha256 of its weights."""
+def base_weights(spec) -> Path:
+    """The weights file of the base an adapted model was trained on (its ``hf:`` folder's)."""
+    return folder(spec.model) / WEIGHTS
+
+
+def exported_arch(arch: dict[str, Any], model: str, *, merged: bool) -> dict[str, Any]:
+    """The ``arch`` of an adapted model's export, with the base model's identity (its folder and the
+    sha256 of its weights). ``merged``: the export's weights are the merged model's (it is built
+    without an adapter); else the export is the adapter alone, built on the base read again."""
     from training.util import sha256_file
 
-    base = folder(model) / WEIGHTS
-    return {**arch, "adapter": {**arch["adapter"], "merged": True, "base": {"model": model, "sha256": sha256_file(base)}}}
+    base = {"model": model, "sha256": sha256_file(folder(model) / WEIGHTS)}
+    return {**arch, "adapter": {**arch["adapter"], "merged": merged, "base": base}}
