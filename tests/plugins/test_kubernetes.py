@@ -439,6 +439,21 @@ def test_a_text_run_reads_the_token_windows_the_tokenize_task_wrote(kubeconfig, 
     assert f"token_shards={shards}" in init["command"], "the pre-start check reads the same windows"
 
 
+def test_an_sft_run_with_lora_hands_the_pods_its_columns_and_adapter(kubeconfig):
+    """SFT under the kubernetes backend: the tokenize task renders and packs on the worker; the pods get
+    the same fields (the columns label the windows' answers, the adapter and its export)."""
+    params = k8s_params(dataset_uri="s3://corpus/instructions", messages_column="messages", model="hf:/models/my-llama",
+                        adapter="lora", lora_targets="all-linear", merge_adapter=False, seq_len=256, strategy="fsdp")
+    shards = "s3://checkpoints/team/tokens/0a1b2c3d4e5f6071"
+    job, _ = build_job(kubeconfig, params, token_shards=shards)
+    kubernetes_validate.validate(job, K8S_VERSIONS[-1], strict=True)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    sets = dict(a.split("=", 1) for a in torchrun_args(container).training_script_args[2::2])
+    assert sets["token_shards"] == shards and sets["messages_column"] == "messages"
+    assert (sets["adapter"], sets["lora_targets"], sets["merge_adapter"]) == ("lora", "all-linear", "false"), sets
+    assert not sets.get("text_column") and not sets.get("prompt_column"), sets
+
+
 @pytest.mark.slow  # starts a Python process (tests/processes.py)
 def test_the_init_container_checks_the_store_with_the_pods_secret(in_store, s3_server, tmp_path):
     """In the store case `check-config` also lists and writes the run's place in the bucket, with
