@@ -114,9 +114,11 @@ class Renderer:
         content (its end-of-turn marker), else the end-of-text token."""
         if self.template is None:
             return eot_id
-        conv = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        mark = "answer-ends-here"  # a content no template writes itself: what follows it is the template's
+        conv = [{"role": "user", "content": "x"}, {"role": "assistant", "content": mark}]
         text, [(a, b)] = self.spans(conv)
-        after = text[a:b].split("y", 1)[1] if "y" in text[a:b] else ""
+        _, found, after = text[a:b].rpartition(mark)
+        after = after if found else ""
         ids = tokenizer.encode(after, add_special_tokens=False).ids if after else []
         return int(ids[0]) if ids else eot_id
 
