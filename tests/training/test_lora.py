@@ -193,6 +193,38 @@ def test_lora_under_ddp_in_bf16_with_activation_checkpointing_exports_the_adapte
         load_exported(moved)
 
 
+@pytest.mark.slow
+def test_a_checkpoint_does_not_resume_onto_a_base_whose_weights_changed(llama, windows, tmp_path):
+    """The checkpoint holds the adapter, not the base it trained beside: its manifest records the
+    base's sha256, and a resume after the folder's weights changed is refused naming model, before
+    any step, with the checkpoint kept."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from training.util import sha256_file
+
+    data, uri = windows
+    base = tmp_path / "base"
+    shutil.copytree(llama, base)
+    sets = lambda steps: _sets(base, data, uri, tmp_path, "ddp", f"steps={steps}", "checkpoint_every=0")
+    _ok(run_torchrun(1, sets(5), env={"HF_HUB_OFFLINE": "1"}))
+    step_dir = tmp_path / "ck" / "step_00000005"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert manifest["base"] == {"weights": str(base / "model.safetensors"), "sha256": sha256_file(base / "model.safetensors")}
+
+    weights = load_file(base / "model.safetensors")
+    name = next(k for k in weights if k.endswith("q_proj.weight"))
+    weights[name] += 1e-3  # a base fine-tuned again, saved to the same path
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    proc = run_torchrun(1, sets(10), env={"HF_HUB_OFFLINE": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "config field 'model': checkpoint" in out, out[-3000:]
+    assert f"with sha256 {manifest['base']['sha256']}, and {base / 'model.safetensors'} now has sha256 " \
+           f"{sha256_file(base / 'model.safetensors')}" in out and "another checkpoint_dir" in out, out[-3000:]
+    assert not (tmp_path / "ck" / "step_00000010").exists() and (step_dir / "manifest.json").is_file()
+
+
 def test_the_memory_preflight_counts_a_frozen_base_without_gradients_or_optimizer_state(llama):
     import numpy as np
 

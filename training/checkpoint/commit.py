@@ -83,9 +83,14 @@ def file_entry(name: str, local: Path) -> dict[str, Any]:
     return {"path": name, "size": local.stat().st_size, "sha256": sha256_file(local)}
 
 
-def new_manifest(*, step: int, world_size: int, config_hash: str, files: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"version": MANIFEST_VERSION, "step": step, "world_size": world_size, "config_hash": config_hash,
-            "files": sorted(files, key=lambda f: f["path"]), "created_unix": time.time()}
+def new_manifest(*, step: int, world_size: int, config_hash: str, files: list[dict[str, Any]],
+                 base: dict[str, str] | None = None) -> dict[str, Any]:
+    """``base``: the frozen weights an adapter's checkpoint trained on and needs again (not in it)."""
+    out = {"version": MANIFEST_VERSION, "step": step, "world_size": world_size, "config_hash": config_hash,
+           "files": sorted(files, key=lambda f: f["path"]), "created_unix": time.time()}
+    if base is not None:
+        out["base"] = dict(base)
+    return out
 
 
 def read_pointer(loc: Location) -> dict[str, Any] | None:

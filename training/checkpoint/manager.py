@@ -43,6 +43,7 @@ from training.checkpoint.commit import Candidate, CheckpointCorrupt, Location, s
 from training.checkpoint.dcp_io import METADATA, StoreWriter, VerifiedReader, describe, failures, not_committed, rng_file
 from training.checkpoint.export import EXPORTED, export_model
 from training.checkpoint.retention import retain, write_eval
+from training.config.fields import ConfigError
 from training.distributed.resilience import Phase
 from training.log import logger
 from training.models.spec import ModelSpec
@@ -156,7 +157,7 @@ class Checkpointer:
 
     def __init__(self, checkpoint_dir: str, *, world_size: int, config_hash: str, use_async: bool,
                  every: int = 0, last_step: int | None = None, keep_last: int = 0, metrics=None, mlflow=None,
-                 phase=None):
+                 phase=None, frozen_base: Path | None = None):
         self.loc = Location(open_store(checkpoint_dir, field="checkpoint_dir"))
         self.world_size, self.config_hash, self.use_async = world_size, config_hash, use_async
         self.every, self.last_step, self.keep_last = every, last_step, keep_last
@@ -171,6 +172,7 @@ class Checkpointer:
         self.evaluated: tuple[int, dict[str, float]] | None = None  # the last eval during training
         self.supersede: frozenset[str] = frozenset()  # step folders newer than the resumed one (rank 0)
         self.on_commit: list[Callable[[int], None]] = []  # told the step of each checkpoint committed
+        self.base = _identity(frozen_base) if frozen_base is not None else None
 
     # ------------------------------------------------------------------ resume
 
@@ -185,6 +187,7 @@ class Checkpointer:
         walk = commit.candidates(self.loc) if self.rank == 0 else None
         reasons: list[str] = []
         while (cand := _from_rank0(walk)) is not None:
+            self._check_base(cand)
             problem = cand.problem or self._load(state, cand)
             if problem is None:
                 uri = self.loc.uri(cand.step_dir)
@@ -197,6 +200,18 @@ class Checkpointer:
             reasons.append("no checkpoint verified; starting from step 0")
         self._report(reasons, resumed=None, step_dir=None)
         return None, False
+
+    def _check_base(self, cand: Candidate) -> None:
+        """An adapter's checkpoint holds what trains, not the frozen base it is read with: refused (on
+        every rank alike) when the base's weights are no longer those it trained on, rather than
+        resumed onto other weights or dropped for an older checkpoint."""
+        was = (cand.manifest or {}).get("base")
+        if self.base is None or was is None or was["sha256"] == self.base["sha256"]:
+            return
+        raise ConfigError("model", f"checkpoint {self.loc.uri(cand.step_dir)} trained its adapter on {was['weights']} "
+                          f"with sha256 {was['sha256']}, and {self.base['weights']} now has sha256 "
+                          f"{self.base['sha256']}", "put the base it was trained on back at that path, or start a "
+                          "new run in another checkpoint_dir")
 
     def _load(self, state: TrainState, cand: Candidate) -> str | None:
         """Collective: load ``cand`` if every file each rank reads verifies; else why not."""
@@ -286,7 +301,7 @@ class Checkpointer:
 
         def on_commit(files: list[dict[str, Any]]) -> None:  # the coordinator, once every file is stored
             manifest = commit.new_manifest(step=step, world_size=self.world_size, config_hash=self.config_hash,
-                                            files=files)
+                                            files=files, base=self.base)
             raw = json.dumps(manifest, indent=2).encode()
             commit.commit(self.loc, step_dir, raw, step=step, supersede=self.supersede)
             if evaluated is not None:
@@ -341,6 +356,15 @@ class Checkpointer:
             except CheckpointException as e:
                 raise not_committed(self.loc.uri(writer.step_dir), e) from None
             self._committed(writer, step)
+
+
+def _identity(weights: Path) -> dict[str, str]:
+    """Collective: the file and sha256 of a frozen base's weights, hashed on rank 0 alone."""
+    from training.util import sha256_file
+
+    box = [sha256_file(weights) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return {"weights": str(weights), "sha256": box[0]}
 
 
 def _from_rank0(walk: Any) -> Any:
