@@ -156,7 +156,7 @@ def test_bytes_per_step_are_the_gradient_bytes_exactly(runs):
 
 @pytest.mark.slow
 def test_reported_throughput_matches_wall_clock_between_progress_lines(runs):
-    """Two clocks outside the window arithmetic (perf_counter spans, the slowest rank's per window):
+    """Two clocks outside the window arithmetic (perf_counter spans, the ranks' mean per window):
     rank 0's own stamp at the end of each step (steps.jsonl, time.time()), and the moment this
     process read each progress line. The first is exact to the step; the second is late by however
     long this process waited for a CPU (0.2 s seen on a loaded 2-core machine), so it gets that slack."""

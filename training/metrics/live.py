@@ -53,7 +53,7 @@ METRICS: dict[str, str] = {
     "training_restarts": "restarts of the run so far (torchrun's restart count)",
     "training_memory_rss_bytes": "resident set size of the rank's process",
     "training_cuda_allocated_bytes": "CUDA memory allocated by tensors (GPU ranks only)",
-    "training_run_samples_per_second": "rank 0: global samples per second of the run (the slowest rank's pace)",
+    "training_run_samples_per_second": "rank 0: global samples per second of the run (the global batch over the ranks' mean step time)",
     "training_run_tokens_per_second": "rank 0: global tokens per second (token models)",
     "training_run_step_seconds_max": "rank 0: the slowest rank's wall seconds per step, last window",
     "training_run_compute_seconds_max": "rank 0: the largest per-rank compute seconds per step, last window",
