@@ -173,11 +173,13 @@ class AirflowAPI:
     def extra_links(self, dag_id: str, run_id: str, task_id: str) -> dict[str, str]:
         return self._api(TaskInstanceApi).get_extra_links(dag_id, run_id, task_id).extra_links
 
-    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
-        """The task's log of that try as text: each record's event, and an exception's type and value."""
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1, map_index: int | None = None) -> str:
+        """The task's log of that try as text: each record's event, and an exception's type and value
+        (``map_index``: which of a mapped task's instances)."""
         # The raw JSON: the generated model of a record keeps its event and timestamp only (validating
         # the list of records drops the other fields, an exception's error_detail among them).
-        body = _json(self._api(TaskInstanceApi).get_log_without_preload_content(dag_id, run_id, task_id, try_number))
+        body = _json(self._api(TaskInstanceApi).get_log_without_preload_content(dag_id, run_id, task_id, try_number,
+                                                                                  map_index=map_index))
         content = body.get("content", body)
         if not isinstance(content, list):
             return str(content)

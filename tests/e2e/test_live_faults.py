@@ -36,7 +36,7 @@ def _wait(predicate, timeout: float, what: str):
         value = predicate()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(0.2)
     raise TimeoutError(f"{what} not seen after {timeout}s")
 
 
@@ -132,3 +132,84 @@ def test_a_restarted_scheduler_lets_the_run_complete(live_airflow, dataset, tmp_
     run_id, run_dir, committed = _start(af, dataset, tmp_root, "live-scheduler-restart")
     af.restart("scheduler")
     _check_recovered(af, run_id, run_dir, committed)
+
+
+SWEEP = "training_sweep"
+
+
+def _trials(url: str, study: str) -> list:
+    import optuna
+
+    return optuna.load_study(study_name=study, storage=url).get_trials(deepcopy=False)
+
+
+@pytest.mark.budget(420, reason="a three-trial sweep: its lane's worker killed, then its scheduler restarted")
+def test_a_sweep_survives_a_scheduler_restart_and_a_killed_trial_without_training_a_finished_one_again(
+        live_airflow, dataset, tmp_root):
+    """The lane's worker is killed in a trial after its checkpoint, with an earlier trial finished,
+    and the scheduler is restarted before it notices: the new scheduler retries the lost lane, whose
+    retry resumes that trial from its checkpoint as the same Optuna trial and MLflow child run and
+    never trains the finished one again; the sweep ends with every grid point once.
+
+    (A scheduler stopped while a task runs waits for the task to end, LocalExecutor's graceful
+    shutdown; a task killed as its process starts has no handler yet: those are Airflow's.)"""
+    from optuna.trial import TrialState
+
+    from training_airflow import settings
+
+    af = live_airflow
+    af.wait_for_dags(SWEEP)
+    af.unpause(SWEEP)
+    # 4000 steps of the small MLP: several seconds of training after each checkpoint, for the kill.
+    experiment, steps, every = "live-sweep-faults", 4000, 500
+    conf = {"dataset_uri": str(dataset), "experiment": experiment, "world_size": 1, "steps": steps,
+            "eval_every": 2000, "log_every": every, "checkpoint_every": every, "batch_size": 32,
+            "store_uri": (tmp_root / f"{experiment}-store").as_uri(), "search_space": {"lr": [3e-2, 1e-2, 3e-3]},
+            "sampler": "grid", "pruner": "none", "trials": 3, "max_parallel_trials": 1, "objective": "eval/loss"}
+    run_id = af.trigger(SWEEP, conf)
+    _wait(lambda: af.task_states(SWEEP, run_id).get("open_sweep") == "success", 300, "open_sweep success")
+    study, url = af.xcom(SWEEP, run_id, "open_sweep")["study"], settings.sweep_storage_url()
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    children = lambda: client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{study}'")  # noqa: E731
+    # The lane creates the study's tables, then asks its first trial and opens that trial's child run:
+    # the study is read only after that, never racing the lane's creation of its tables.
+    _wait(children, 600, "the first trial's child run")
+
+    def checkpointed_after_a_finished_trial():
+        """A running trial past its first checkpoint, with its torchrun agent, once one trial is done."""
+        trials = _trials(url, study)
+        if not any(t.state == TrialState.COMPLETE for t in trials):
+            return None
+        for t in trials:
+            if t.state == TrialState.RUNNING and "mlflow_run_id" in t.user_attrs:
+                child = t.user_attrs["mlflow_run_id"]
+                if (read_pointer(run_location(conf["store_uri"], experiment, child)) or {}).get("step", 0) >= every:
+                    agent = _torchrun_of(tmp_root / "var" / "work" / child / "train_config.json")
+                    return (t, agent, [x for x in trials if x.state == TrialState.COMPLETE]) if agent else None
+        return None
+
+    killed, agent, finished = _wait(checkpointed_after_a_finished_trial, 600, "a later trial past its checkpoint")
+    task = _ppid(agent)
+    for pid in (_ppid(task), task):
+        os.kill(pid, signal.SIGKILL)
+    # Mid-sweep, with the lane's task lost, the scheduler is stopped and started again: the new one
+    # finds the task without a heartbeat and retries it.
+    assert af.run(SWEEP, run_id)["state"] == "running"
+    af.restart("scheduler")
+
+    run = af.wait_for_run(SWEEP, run_id, timeout=900)
+    assert run["state"] == "success", af.task_states(SWEEP, run_id)
+    assert af.try_numbers(SWEEP, run_id)["trials"] == 2
+    log = af.task_log(SWEEP, run_id, "trials", try_number=2, map_index=0)
+    assert f"trial {killed.number} resumed" in log and "resuming from" in log, log[-3000:]
+    trials = {t.number: t for t in _trials(url, study)}
+    assert len(trials) == 3 and {t.state for t in trials.values()} == {TrialState.COMPLETE}, trials
+    assert sorted(t.params["lr"] for t in trials.values()) == [3e-3, 1e-2, 3e-2]  # every point once
+    assert all(t.user_attrs["steps"] == steps for t in trials.values())
+    # The finished trials were not touched again; the killed one went on as itself.
+    assert all(trials[t.number].datetime_complete == t.datetime_complete for t in finished)
+    assert trials[killed.number].user_attrs["mlflow_run_id"] == killed.user_attrs["mlflow_run_id"]
+    ran = children()
+    assert sorted(r.info.run_id for r in ran) == sorted(t.user_attrs["mlflow_run_id"] for t in trials.values())
+    assert all(r.info.status == "FINISHED" for r in ran)
