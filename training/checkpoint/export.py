@@ -101,9 +101,11 @@ def _numel(shape: Iterable[int]) -> int:
 # --------------------------------------------------------------------------- from the live, sharded model
 
 
-def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path | None = None) -> None:
+def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path | None = None,
+                 base_sha256: str | None = None) -> None:
     """Collective: write safetensors + its config (and a language model's ``tokenizer.json``) on
-    rank 0. Every rank gathers one tensor at a time (FSDP2's shards, all-gathered), rank 0 writes it."""
+    rank 0. Every rank gathers one tensor at a time (FSDP2's shards, all-gathered), rank 0 writes it.
+    ``base_sha256``: an adapter's base weights as the run hashed them at its start (not read again)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from training.distributed.parallel import full_tensor
@@ -126,7 +128,8 @@ def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path 
         _export_adapter(state, inner, spec, path / ADAPTER_DIR, main)
         if not spec.arch["adapter"].get("merge", True):
             if main:
-                _write_beside(path, dataclasses.replace(spec, arch=exported_arch(spec.arch, spec.model, merged=False)),
+                _write_beside(path, dataclasses.replace(spec, arch=exported_arch(spec.arch, spec.model, merged=False,
+                                                                         base_sha256=base_sha256)),
                               tokenizer_file)
             dist.barrier()
             return
@@ -143,7 +146,8 @@ def export_model(model, path: str | Path, spec: ModelSpec, tokenizer_file: Path 
     write_streamed(path / MODEL_FILE if main else None, layout, whole(), _file_metadata(spec))
     if main:
         if adapted:
-            spec = dataclasses.replace(spec, arch=exported_arch(spec.arch, spec.model, merged=True))
+            spec = dataclasses.replace(spec, arch=exported_arch(spec.arch, spec.model, merged=True,
+                                                                 base_sha256=base_sha256))
         _write_beside(path, spec, tokenizer_file)
     dist.barrier()
 

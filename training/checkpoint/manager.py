@@ -278,7 +278,7 @@ class Checkpointer:
             # The portable model is exported first and committed with the checkpoint, so a
             # committed final checkpoint always carries model.safetensors.
             with tempfile.TemporaryDirectory(prefix="export-") as exported:
-                export_model(model, exported, spec, tokenizer_file)
+                export_model(model, exported, spec, tokenizer_file, base_sha256=self.base and self.base["sha256"])
                 self._save(state, self._writer(state, model_dir=Path(exported)), sync=True)
         return self.loc.uri(step_dir_name(state.step))
 

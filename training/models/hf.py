@@ -304,11 +304,12 @@ def base_weights(spec) -> Path:
     return folder(spec.model) / WEIGHTS
 
 
-def exported_arch(arch: dict[str, Any], model: str, *, merged: bool) -> dict[str, Any]:
+def exported_arch(arch: dict[str, Any], model: str, *, merged: bool, base_sha256: str | None = None) -> dict[str, Any]:
     """The ``arch`` of an adapted model's export, with the base model's identity (its folder and the
-    sha256 of its weights). ``merged``: the export's weights are the merged model's (it is built
-    without an adapter); else the export is the adapter alone, built on the base read again."""
+    sha256 of its weights: ``base_sha256`` when the run hashed them already, else hashed here).
+    ``merged``: the export's weights are the merged model's (it is built without an adapter); else
+    the export is the adapter alone, built on the base read again."""
     from training.util import sha256_file
 
-    base = {"model": model, "sha256": sha256_file(folder(model) / WEIGHTS)}
+    base = {"model": model, "sha256": base_sha256 or sha256_file(folder(model) / WEIGHTS)}
     return {**arch, "adapter": {**arch["adapter"], "merged": merged, "base": base}}
