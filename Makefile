@@ -133,7 +133,7 @@ compare: $(STAMP)
 	@echo "open var/reports/$(EXPERIMENT)/report.html"
 
 screenshots: $(STAMP) chromium
-	UPDATE_SCREENSHOTS=1 $(WITH_ENV) $(BIN)/python -m pytest -q tests/e2e/test_live_ui.py
+	UPDATE_SCREENSHOTS=1 $(WITH_ENV) $(BIN)/python -m pytest -q tests/e2e/test_live_ui.py tests/e2e/test_live_sweep.py
 
 airflow-up: $(STAMP)
 	$(BIN)/python scripts/airflow_local.py up

@@ -82,8 +82,9 @@ NOT_RUN = {
     "tests/e2e/test_hf_pipeline.py make the same table (make_instructions_dataset)",
     ".venv/bin/python scripts/demo.py --set dataset_uri=var/data/instructions": "needs a chat model folder; "
     "tests/e2e/test_hf_pipeline.py runs SFT with LoRA on a Llama-style chat folder through the same DAG",
-    ".venv/bin/airflow dags trigger training_sweep": "needs the running scheduler; tests/e2e/test_sweep_dag.py runs "
-    "the sweep DAG (dag.test) and tests/plugins/test_conf_check.py the trigger-time check of its search",
+    ".venv/bin/airflow dags trigger training_sweep": "needs the running scheduler; tests/e2e/test_live_sweep.py "
+    "triggers the sweep DAG on the session's live Airflow and tests/plugins/test_conf_check.py checks its search at "
+    "trigger time",
     ".venv/bin/python scripts/project_env.py .venv/bin/python benchmarks/gpu_check.py": "needs a CUDA machine; "
     "the --device cpu --small form is run by tests/training/test_gpu_check.py",
     "TEST_BACKGROUND_LOAD=2 .venv/bin/python -m pytest tests/training": "a part of the test suite itself",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -20,6 +21,8 @@ import requests
 import websocket
 
 from training.util import stop_process
+
+DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--disable-quic"]
@@ -136,3 +139,29 @@ class Browser:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(base64.b64decode(data))
         return path
+
+
+def keep_screenshot(path: Path) -> None:
+    """With UPDATE_SCREENSHOTS=1 (`make screenshots`), keep a small copy (128-colour palette PNG) in
+    docs/images/, where the README shows it."""
+    if os.environ.get("UPDATE_SCREENSHOTS") == "1":
+        from PIL import Image
+
+        DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
+        Image.open(path).convert("RGB").quantize(colors=128).save(DOCS_IMAGES / path.name, optimize=True)
+
+
+def login(b: Browser, af: Any, path: str) -> None:
+    """Open ``path`` of the live Airflow ``af``; not logged in, the UI sends us to its login form first."""
+    from tests.e2e.live_airflow import PASSWORD
+
+    b.goto(af.base + path)
+    b.type_into("input[name=username]", "admin")
+    b.type_into("input[name=password]", PASSWORD)
+    b.press_enter()
+    b.wait_for(f"decodeURIComponent(location.pathname) === {json.dumps(path)}", what=f"{path} after login")
+
+
+def close_mlflow_assistant(b: Browser) -> None:
+    """MLflow's chat side panel opens by itself in a fresh profile and narrows the page."""
+    b.eval("[...document.querySelectorAll('button[aria-label=Close]')].forEach(x => x.click())")

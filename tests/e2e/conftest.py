@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 
+from tests.e2e.browser import Browser, chromium_path
 from tests.e2e.live_airflow import LiveAirflow
 from training.util import free_port, stop_process
 
@@ -114,6 +115,17 @@ def live_runs(live_airflow, dataset, tmp_root):
     register = af.trigger(REGISTER, {"dataset_uri": str(landed), "train_rows": 4_000, "val_rows": 1_000, "seed": 7})
     bad_data = af.trigger(ON_DATA, {**conf, "dataset_uri": str(_bad_copy(dataset, tmp_root / "data" / "bad-nan"))})
     return {"rest": rest, "bad": bad, "register": register, "landed": landed, "bad_data": bad_data}
+@pytest.fixture
+def browser():
+    """Headless chromium (tests/e2e/browser.py), a fresh profile per test."""
+    assert chromium_path(), "chromium is missing: `make test` installs it (apt-get install -y chromium)"
+    b = Browser(width=1600, height=1000).start()
+    try:
+        yield b
+    finally:
+        b.close()
+
+
 # --------------------------------------------------------------------------- containers
 
 

@@ -17,9 +17,7 @@ shows.
 from __future__ import annotations
 
 import json
-import os
 import time
-from pathlib import Path
 
 import pytest
 import requests
@@ -28,44 +26,14 @@ from urllib.parse import quote
 
 from mlflow.tracking import MlflowClient
 
-from tests.e2e.browser import Browser, chromium_path
+from tests.e2e.browser import Browser, close_mlflow_assistant, keep_screenshot, login
 from tests.e2e.conftest import EXPERIMENT, ON_DATA, RUN_NOTE, TRAIN
-from tests.e2e.live_airflow import PASSWORD
 from training.tracking.run import experiment_url, run_url
 
 pytestmark = pytest.mark.slow
-DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 DIALOG = "[...document.querySelectorAll('[role=dialog]')].find(d => d.innerText.includes('Run Parameters'))"
 TRIGGER_ENABLED = (f"(() => {{ const d = {DIALOG}; const b = d && [...d.querySelectorAll('button')]"
                    ".find(b => b.innerText.trim() === 'Trigger'); return b ? !b.disabled : null; })()")
-
-
-@pytest.fixture
-def browser():
-    assert chromium_path(), "chromium is missing: `make test` installs it (apt-get install -y chromium)"
-    b = Browser(width=1600, height=1000).start()
-    try:
-        yield b
-    finally:
-        b.close()
-
-
-def _keep(path: Path) -> None:
-    """With UPDATE_SCREENSHOTS=1, keep a small copy (128-colour palette PNG) in docs/images/."""
-    if os.environ.get("UPDATE_SCREENSHOTS") == "1":
-        from PIL import Image
-
-        DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
-        Image.open(path).convert("RGB").quantize(colors=128).save(DOCS_IMAGES / path.name, optimize=True)
-
-
-def _login(b: Browser, af, path: str) -> None:
-    """Open ``path``; not logged in, the UI sends us to its login form first."""
-    b.goto(af.base + path)
-    b.type_into("input[name=username]", "admin")
-    b.type_into("input[name=password]", PASSWORD)
-    b.press_enter()
-    b.wait_for(f"decodeURIComponent(location.pathname) === {json.dumps(path)}", what=f"{path} after login")
 
 
 def test_trigger_form_in_the_browser(live_airflow, browser, tmp_path):
@@ -73,7 +41,7 @@ def test_trigger_form_in_the_browser(live_airflow, browser, tmp_path):
     af.wait_for_dags("distributed_training")
     details = af.dag_details("distributed_training")
 
-    _login(b, af, "/dags/distributed_training")
+    login(b, af, "/dags/distributed_training")
 
     b.click_button("Trigger")
     b.wait_for(f"!!{DIALOG}", what="the trigger form")
@@ -88,7 +56,7 @@ def test_trigger_form_in_the_browser(live_airflow, browser, tmp_path):
         shown += 1
     assert shown >= 10
     assert b.wait_for(TRIGGER_ENABLED, timeout=30, what="Trigger enabled") is True, "the defaults must be accepted"
-    _keep(b.screenshot(tmp_path / "trigger_form.png"))
+    keep_screenshot(b.screenshot(tmp_path / "trigger_form.png"))
 
     # Numbers are kept inside their limits by the form itself: 0 ranks becomes the minimum, 1.
     field = "input[name=element_world_size]"
@@ -109,7 +77,7 @@ def test_trigger_form_in_the_browser(live_airflow, browser, tmp_path):
     assert "'../etc'" in reason
     assert len(af.runs("distributed_training")) == runs_before
     b.eval(f"document.querySelector('{field}').scrollIntoView({{block: 'center'}})")
-    _keep(b.screenshot(tmp_path / "trigger_form_refused.png"))
+    keep_screenshot(b.screenshot(tmp_path / "trigger_form_refused.png"))
     assert (tmp_path / "trigger_form.png").stat().st_size > 20_000
 
 
@@ -125,11 +93,6 @@ def _mlflow_run(dag_id: str, dag_run_id: str):
     (run,) = client.search_runs([exp.experiment_id], filter_string=(
         f"tags.`airflow.dag_id` = '{dag_id}' and tags.`airflow.dag_run_id` = '{dag_run_id}'"))
     return run
-
-
-def _close_assistant(b: Browser) -> None:
-    """MLflow's chat side panel opens by itself in a fresh profile and narrows the page."""
-    b.eval("[...document.querySelectorAll('button[aria-label=Close]')].forEach(x => x.click())")
 
 
 def _show_description(b: Browser) -> None:
@@ -172,13 +135,13 @@ def test_every_task_links_to_its_mlflow_run_and_the_run_back(live_airflow, live_
     # In the browser, the data-driven run (2 ranks, 300 steps: curves worth a look).
     run, dag_run_id = finished["asset"], finished["asset"].data.tags["airflow.dag_run_id"]
     page = run_url(mlflow_ui, run.info.experiment_id, run.info.run_id)
-    _login(b, af, f"/dags/{ON_DATA}/runs/{dag_run_id}")
+    login(b, af, f"/dags/{ON_DATA}/runs/{dag_run_id}")
     assert _task_link(b, af, ON_DATA, dag_run_id, "train") == page
-    _keep(b.screenshot(tmp_path / "airflow_task_mlflow_link.png"))
+    keep_screenshot(b.screenshot(tmp_path / "airflow_task_mlflow_link.png"))
 
     b.goto(page)  # what the link opens
     b.wait_for(f"document.body.innerText.includes({json.dumps(run.info.run_name)})", what="the MLflow run page")
-    _close_assistant(b)
+    close_mlflow_assistant(b)
     assert run.info.run_name == "mlp-ddp-fp32-2ranks-300steps"
     back = run.data.tags["airflow.url"]
     assert back == f"{af.base}/dags/{ON_DATA}/runs/{quote(dag_run_id, safe='')}"
@@ -188,7 +151,7 @@ def test_every_task_links_to_its_mlflow_run_and_the_run_back(live_airflow, live_
     b.wait_for("[...document.querySelectorAll('img')].filter(i => i.src.includes('plots/') && i.naturalWidth > 0)"
                ".length === 2", what="the loss and throughput plots in the description")
     _show_description(b)
-    _keep(b.screenshot(tmp_path / "mlflow_run_page.png"))
+    keep_screenshot(b.screenshot(tmp_path / "mlflow_run_page.png"))
     b.goto(href)  # and back: the Airflow run page
     b.wait_for(f"document.body.innerText.includes({json.dumps(dag_run_id)})", what="the Airflow run page")
 
@@ -200,17 +163,17 @@ def test_a_failed_run_links_to_a_failed_mlflow_run_that_says_why(live_airflow, l
     assert run.info.status == "FAILED" and run.data.tags["failure.task"] == "validate_data"
     assert "expect_column_values_to_not_be_null(f5): 50 bad values" in run.data.tags["failure.reason"]
 
-    _login(b, af, f"/dags/{ON_DATA}/runs/{dag_run_id}")
+    login(b, af, f"/dags/{ON_DATA}/runs/{dag_run_id}")
     # The tasks that never ran link to the same run: the link is per DAG run, not per task.
     page = run_url(mlflow_ui, run.info.experiment_id, run.info.run_id)
     assert _task_link(b, af, ON_DATA, dag_run_id, "evaluate") == page
     b.goto(page)
     b.wait_for("document.body.innerText.includes('Failed:') && document.body.innerText.includes('50 bad values')",
                what="the failure and its reason on the run page")
-    _close_assistant(b)
+    close_mlflow_assistant(b)
     assert "FAILED" in b.text()
     _show_description(b)
-    _keep(b.screenshot(tmp_path / "mlflow_failed_run.png"))
+    keep_screenshot(b.screenshot(tmp_path / "mlflow_failed_run.png"))
 
 
 # ------------------------------------------------------------------------------ MLflow
@@ -223,7 +186,7 @@ def test_experiment_opens_on_runs_with_loss_eval_and_throughput(mlflow_ui, finis
     b.wait_for(f"{headers}.includes('eval/accuracy') && {headers}.includes({json.dumps(finished['asset'].info.run_name)})"
                f" || document.body.innerText.includes({json.dumps(finished['asset'].info.run_name)}) && "
                f"{headers}.includes('eval/accuracy')", what="the runs table with its metric columns")
-    _close_assistant(b)
+    close_mlflow_assistant(b)
     b.eval("document.querySelector('.ag-center-cols-viewport, .ag-body-horizontal-scroll-viewport')?.scrollBy(230, 0)")
     shown = set(b.eval(headers))
     assert {"eval/accuracy", "eval/loss"} <= shown, shown
@@ -231,7 +194,7 @@ def test_experiment_opens_on_runs_with_loss_eval_and_throughput(mlflow_ui, finis
     assert run.info.run_name in text and finished["asset"].info.run_name in text
     assert "Dataset" in shown and "teacher (" in text, "the Dataset column names what each run trained on"
     assert "Traces" not in [t for t in b.eval("[...document.querySelectorAll('h1,h2')].map(e => e.innerText.trim())")]
-    _keep(b.screenshot(tmp_path / "mlflow_runs.png"))
+    keep_screenshot(b.screenshot(tmp_path / "mlflow_runs.png"))
 
 
 def test_run_artifacts_hold_plots_config_log_and_reports(mlflow_ui, finished, browser, tmp_path):
@@ -240,7 +203,7 @@ def test_run_artifacts_hold_plots_config_log_and_reports(mlflow_ui, finished, br
     tree = "document.body.innerText"
     for name in ("plots", "evaluation", "logs", "data_gate.html", "train_config.json", "summary.json", "data_docs"):
         b.wait_for(f"{tree}.includes({json.dumps(name)})", what=f"artifact {name}")
-    _close_assistant(b)
+    close_mlflow_assistant(b)
     # The evaluation report renders in MLflow's viewer (a sandboxed frame the page cannot read into;
     # the same file through the UI server's artifact endpoint says what it shows).
     b.wait_for("[...document.querySelectorAll('iframe')].some(f => f.src.startsWith('blob:'))", what="the report frame")
@@ -248,7 +211,7 @@ def test_run_artifacts_hold_plots_config_log_and_reports(mlflow_ui, finished, br
                           timeout=30).text
     assert "Per class" in report and "precision" in report and "Confusion matrix" in report
     time.sleep(2)  # the frame paints
-    _keep(b.screenshot(tmp_path / "mlflow_run_artifacts.png"))
+    keep_screenshot(b.screenshot(tmp_path / "mlflow_run_artifacts.png"))
 
 
 def test_compare_view_diff_only_lists_the_params_that_differ(mlflow_ui, finished, browser, tmp_path):
@@ -262,7 +225,7 @@ def test_compare_view_diff_only_lists_the_params_that_differ(mlflow_ui, finished
            "&workflowType=machine_learning")
     b.wait_for(f"document.body.innerText.includes({json.dumps(runs[1].info.run_name)}) && "
                "document.body.innerText.includes('Parameters')", what="the compare view")
-    _close_assistant(b)
+    close_mlflow_assistant(b)
     b.eval("document.querySelector('button[aria-label=\\'Parameters - Show diff only\\']').click()")
     table = "[...document.querySelectorAll('table')].find(t => [...t.rows].some(r => r.cells[0] && " \
             "r.cells[0].innerText.trim() === 'world_size'))"
@@ -271,4 +234,4 @@ def test_compare_view_diff_only_lists_the_params_that_differ(mlflow_ui, finished
                            what=f"{len(differ)} differing params", timeout=60))
     assert shown == differ, (shown, differ)
     b.eval(f"{table}.scrollIntoView({{block: 'center'}})")
-    _keep(b.screenshot(tmp_path / "mlflow_compare.png"))
+    keep_screenshot(b.screenshot(tmp_path / "mlflow_compare.png"))
