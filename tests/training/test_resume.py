@@ -80,12 +80,34 @@ def test_sigkill_between_checkpoints_resumes_bit_identical(dataset, tmp_path, ba
                             env={"TRAINING_FAULT_KILL_AT_STEP": "15:1"}))
     assert "rank 1 SIGKILLs itself after step 15" in proc.stdout
     assert "resuming from" in proc.stdout and "(step 10)" in proc.stdout, "the group must restart from step 10"
+    assert "other settings" not in proc.stdout  # the restarted group's own checkpoint: nothing changed
     assert _sha(_final_model(tmp_path)) == _sha(_final_model(base_root))
     # Every step after the resume point (11..30, steps 11..15 replayed) matches exactly.
     got, want = _losses(tmp_path), _losses(base_root)
     assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
     summary = json.loads((tmp_path / "out" / "train_summary.json").read_text())
     assert summary["restarts"] == 1
+
+
+@pytest.mark.slow
+def test_a_resume_under_other_settings_trains_on_and_names_each_field_that_changed(dataset, tmp_path, baselines):
+    """A finished 30-step run's checkpoints, trained on to step 40 with another learning rate: the
+    run resumes from step 30 with its own settings, and its log and MLflow run name each field that
+    differs from those the checkpoint was saved under."""
+    from training.config.train_config import TrainConfig
+    from training.tracking.run import open_run
+
+    base_root, _ = baselines[("ddp", "fp32")]
+    shutil.copytree(base_root / "ck", tmp_path / "ck")
+    lr = TrainConfig.__dataclass_fields__["lr"].default
+    run_id = open_run("settings-changed", dag_id="distributed_training", dag_run_id="manual__settings_changed")
+    proc = _ok(run_torchrun(2, _sets(dataset, tmp_path, "ddp", "fp32", steps=40, lr=lr / 2),
+                            env={"MLFLOW_RUN_ID": run_id}))
+    assert "resuming from" in proc.stdout and "(step 30)" in proc.stdout, proc.stdout[-3000:]
+    changed = f"lr {lr!r} -> {lr / 2!r}, steps {STEPS} -> 40"
+    assert f"with other settings than it was saved under: {changed};" in proc.stdout, proc.stdout[-3000:]
+    assert MlflowClient().get_run(run_id).data.tags["checkpoint.settings_changed"] == changed
+    assert _final_model(tmp_path, 40).is_file()
 
 
 @pytest.mark.slow

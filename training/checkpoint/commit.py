@@ -84,13 +84,28 @@ def file_entry(name: str, local: Path) -> dict[str, Any]:
 
 
 def new_manifest(*, step: int, world_size: int, config_hash: str, files: list[dict[str, Any]],
-                 base: dict[str, str] | None = None) -> dict[str, Any]:
-    """``base``: the frozen weights an adapter's checkpoint trained on and needs again (not in it)."""
+                 base: dict[str, str] | None = None, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``base``: the frozen weights an adapter's checkpoint trained on and needs again (not in it);
+    ``settings``: the run's fields that ``config_hash`` hashes (``TrainConfig.weight_settings``)."""
     out = {"version": MANIFEST_VERSION, "step": step, "world_size": world_size, "config_hash": config_hash,
            "files": sorted(files, key=lambda f: f["path"]), "created_unix": time.time()}
     if base is not None:
         out["base"] = dict(base)
+    if settings is not None:
+        out["settings"] = dict(settings)
     return out
+
+
+def settings_changed(manifest: dict[str, Any], config_hash: str, settings: dict[str, Any] | None) -> list[str]:
+    """What differs between the settings a checkpoint was saved under and this run's, as
+    ``field old -> new`` (a manifest from before settings were recorded: its hash only); [] if none."""
+    if manifest.get("config_hash") in (None, config_hash):
+        return []
+    was = manifest.get("settings")
+    if was is None or settings is None:
+        return [f"config_hash {manifest['config_hash']} -> {config_hash}"]
+    return [f"{k} {was.get(k, '(unset)')!r} -> {settings.get(k, '(unset)')!r}" for k in sorted(set(was) | set(settings))
+            if was.get(k) != settings.get(k)]
 
 
 def read_pointer(loc: Location) -> dict[str, Any] | None:

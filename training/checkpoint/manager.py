@@ -157,9 +157,10 @@ class Checkpointer:
 
     def __init__(self, checkpoint_dir: str, *, world_size: int, config_hash: str, use_async: bool,
                  every: int = 0, last_step: int | None = None, keep_last: int = 0, metrics=None, mlflow=None,
-                 phase=None, frozen_base: Path | None = None):
+                 phase=None, frozen_base: Path | None = None, settings: dict[str, Any] | None = None):
         self.loc = Location(open_store(checkpoint_dir, field="checkpoint_dir"))
         self.world_size, self.config_hash, self.use_async = world_size, config_hash, use_async
+        self.settings = settings  # what config_hash hashes, in each manifest: a resume names what changed
         self.every, self.last_step, self.keep_last = every, last_step, keep_last
         self.metrics = metrics if metrics is not None else NullLogger()
         self.mlflow = mlflow if mlflow is not None else NullLogger()
@@ -191,7 +192,7 @@ class Checkpointer:
             problem = cand.problem or self._load(state, cand)
             if problem is None:
                 uri = self.loc.uri(cand.step_dir)
-                self._report(reasons, resumed=uri, step_dir=cand.step_dir)
+                self._report(reasons, resumed=uri, step_dir=cand.step_dir, manifest=cand.manifest)
                 self.saved_step = state.step
                 return uri, self.rng_restored
             reasons.append(problem)
@@ -234,13 +235,20 @@ class Checkpointer:
             self.rng_restored = rng is not None
         return None
 
-    def _report(self, reasons: list[str], *, resumed: str | None, step_dir: str | None) -> None:
-        """Rank 0: log and tag what resume chose and why; remember which newer folders it may overwrite."""
+    def _report(self, reasons: list[str], *, resumed: str | None, step_dir: str | None,
+                manifest: dict[str, Any] | None = None) -> None:
+        """Rank 0: log and tag what resume chose and why, and the settings that differ from the
+        checkpoint's (the run goes on, no longer the twin of an uninterrupted one); remember which
+        newer folders it may overwrite."""
         if self.rank != 0:
             return
         for r in reasons:
             logger.warning(f"checkpoint fallback: {r}")
         tags = {"checkpoint.resumed_from": resumed} if resumed else {}
+        if changed := commit.settings_changed(manifest or {}, self.config_hash, self.settings):
+            logger.warning(f"resumed {resumed} with other settings than it was saved under: {', '.join(changed)}; "
+                           "training goes on with this run's (to train with the checkpoint's, set them back)")
+            tags["checkpoint.settings_changed"] = ", ".join(changed)[:5000]
         if reasons:
             tags["checkpoint.fallback_reason"] = "; ".join(reasons)[:5000]
         if tags:
@@ -301,7 +309,7 @@ class Checkpointer:
 
         def on_commit(files: list[dict[str, Any]]) -> None:  # the coordinator, once every file is stored
             manifest = commit.new_manifest(step=step, world_size=self.world_size, config_hash=self.config_hash,
-                                            files=files, base=self.base)
+                                            files=files, base=self.base, settings=self.settings)
             raw = json.dumps(manifest, indent=2).encode()
             commit.commit(self.loc, step_dir, raw, step=step, supersede=self.supersede)
             if evaluated is not None:

@@ -368,13 +368,17 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def config_hash(self) -> str:
-        """Hash of what determines the trained weights (not where files go)."""
+    def weight_settings(self) -> dict[str, Any]:
+        """The fields that determine the trained weights (not where files go): what ``config_hash``
+        hashes and a checkpoint's manifest records, so that a resume names what changed."""
         # Evaluation during training reads the weights but never changes them.
         skip = ("checkpoint_dir", "output_dir", "eval_every", "target_metric", "target_value", "dataset_fingerprint",
                 "retention_keep_last", "token_shards", "metrics_port", "metrics_host", "stall_after_s", "merge_adapter")
-        keep = {k: v for k, v in self.to_dict().items() if k not in skip}
-        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+        return {k: v for k, v in self.to_dict().items() if k not in skip}
+
+    def config_hash(self) -> str:
+        """Hash of ``weight_settings``."""
+        return hashlib.sha256(json.dumps(self.weight_settings(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def compiler_found() -> bool:
