@@ -12,7 +12,9 @@ MLflow's compare view lines the trials up), and **one Optuna study** that record
    after another (torchrun, commit, evaluate) until the study has `trials`. With `pruner=asha` a
    trial that is not in the best half at an evaluation rung stops there, keeps its checkpoint and is
    recorded as **pruned**. A failing trial fails alone; a retried lane resumes its interrupted
-   trial and never trains a finished one again (the study is the record).
+   trial and never trains a finished one again (the study is the record). Once a lane has ended,
+   its name in the grid says how each of its trials ended (`lane 0: trial 0 complete, trial 2
+   pruned at step 10`).
 4. **report** - the table of trials, the optimization history and parallel-coordinates plots and
    the steps spent in the parent run; the best trial's model goes through the registry gate.
 
@@ -62,8 +64,11 @@ def training_sweep():
 
         from training_airflow import sweep_tasks
 
-        get_current_context()["lane_name"] = f"lane {lane['lane']}"  # the grid names each mapped task
-        return sweep_tasks.run_lane(params, lane)
+        context = get_current_context()  # the grid names each mapped task: the lane, then how its trials ended
+        context["lane_name"] = f"lane {lane['lane']}"
+        ran = sweep_tasks.run_lane(params, lane)
+        context["lane_name"] = sweep_tasks.lane_label(ran)
+        return ran
 
     validated = body_task("tasks", "tokenize")(body_task("tasks", "validate_data")(open_sweep()))
     ran = trials.expand(lane=lanes(validated))

@@ -118,6 +118,15 @@ def run_lane(params: dict[str, Any], lane: dict[str, Any]) -> dict[str, Any]:
     return {"lane": lane["lane"], "trials": done}
 
 
+def lane_label(ran: dict[str, Any]) -> str:
+    """The name the grid shows for a lane that has ended: its trials and how each ended, so that a
+    pruned trial is seen where it stopped without opening a log (Airflow keeps 250 characters)."""
+    parts = [f"trial {t['trial']} {t['state']}" + (f" at step {t['steps']}" if t["state"] != "complete" else "")
+             for t in ran["trials"]]
+    label = f"lane {ran['lane']}: " + (", ".join(parts) or "no trial left to train")
+    return label if len(label) <= 200 else label[:199] + "\u2026"
+
+
 def _child_run(params: dict[str, Any], parent: str, trial: Any, study_name: str) -> str:
     from mlflow.tracking import MlflowClient
 

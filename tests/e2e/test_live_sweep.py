@@ -64,8 +64,9 @@ def test_a_sweep_trains_two_trials_at_a_time_prunes_the_hopeless_one_and_registe
             "trials": 4, "max_parallel_trials": 2, "objective": "eval/loss", "registered_model": experiment}
     run_id = af.trigger(SWEEP, conf)
     assert af.wait_for_run(SWEEP, run_id, timeout=900)["state"] == "success", af.task_states(SWEEP, run_id)
-    lanes = sorted(ti["map_index"] for ti in af.task_instances(SWEEP, run_id) if ti["task_id"] == "trials")
-    assert lanes == [0, 1]
+    lanes = {ti["map_index"]: ti["rendered_map_index"] for ti in af.task_instances(SWEEP, run_id)
+             if ti["task_id"] == "trials"}
+    assert sorted(lanes) == [0, 1]
 
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment)
@@ -94,6 +95,12 @@ def test_a_sweep_trains_two_trials_at_a_time_prunes_the_hopeless_one_and_registe
     assert all(t.user_attrs["steps"] == 40 for t in by_state["COMPLETE"])
     best = study.best_trial
     assert best.params["lr"] == 1e-2
+    # The grid names each lane by how its trials ended: a pruned one where it stopped.
+    for t in study.trials:
+        ended = f"trial {t.number} complete" if t.state.name == "COMPLETE" else \
+            f"trial {t.number} pruned at step {t.user_attrs['steps']}"
+        lane = t.user_attrs["lane"]
+        assert ended in lanes[lane] and lanes[lane].startswith(f"lane {lane}: "), (ended, lanes)
 
     summary = client.get_run(parent.info.run_id).data
     spent = sum(t.user_attrs["steps"] for t in study.trials)
