@@ -1,5 +1,6 @@
 """A failed trial's steps count in the sweep's ``sweep/steps_spent``: read back from what its ranks
-logged to its MLflow run, 0 when it logged nothing (and never an error that hides the failure)."""
+logged to its MLflow run, 0 when it logged nothing (and never an error that hides the failure). A
+lane's name in the grid says how its trials ended, within what Airflow keeps."""
 
 from mlflow.tracking import MlflowClient
 
@@ -15,3 +16,12 @@ def test_a_failed_trials_steps_are_the_last_step_its_loss_was_logged_at():
         client.log_metric(run, "train/loss", 1.0 / step, step=step)
     assert sweep_tasks._steps_logged(run) == 30
     assert sweep_tasks._steps_logged("no-such-run") == 0
+
+
+def test_a_lanes_name_says_how_each_trial_ended_and_fits_airflows_column():
+    ran = {"lane": 1, "trials": [{"trial": 1, "state": "pruned", "steps": 10}, {"trial": 3, "state": "complete", "steps": 40},
+                                 {"trial": 4, "state": "failed", "steps": 7}]}
+    assert sweep_tasks.lane_label(ran) == "lane 1: trial 1 pruned at step 10, trial 3 complete, trial 4 failed at step 7"
+    assert sweep_tasks.lane_label({"lane": 0, "trials": []}) == "lane 0: no trial left to train"
+    many = sweep_tasks.lane_label({"lane": 0, "trials": [{"trial": i, "state": "complete", "steps": 40} for i in range(100)]})
+    assert len(many) == 200 and many.startswith("lane 0: trial 0 complete") and many.endswith("\u2026")
