@@ -191,9 +191,9 @@ class Trainer:
         out = Path(cfg.output_dir) if cfg.output_dir else None
         clock = RunClock(out) if info.is_main else None  # survives restarts: run start, target hit
         self.checkpointer = Checkpointer(
-            cfg.checkpoint_dir, world_size=info.world_size, config_hash=cfg.config_hash(), use_async=cfg.async_checkpoint,
+            cfg.checkpoint_dir, world_size=info.world_size, settings=cfg.weight_settings(), use_async=cfg.async_checkpoint,
             every=cfg.checkpoint_every, last_step=cfg.steps, keep_last=cfg.retention_keep_last, metrics=self.metrics_log,
-            mlflow=self.mlflow, phase=self.phase, frozen_base=_frozen_base(spec), settings=cfg.weight_settings())
+            mlflow=self.mlflow, phase=self.phase, frozen_base=_frozen_base(spec))
         self.recorder = MetricsRecorder(cfg, info, self.state, comm_timer=self.comm_timer, spec=spec, mlflow=self.mlflow,
                                         metrics_log=self.metrics_log, clock=clock, restarts=self.restarts, phase=self.phase)
         self.evaluator = Evaluator(cfg, info, self.model, spec, prepared.dataset, metrics_log=self.metrics_log,

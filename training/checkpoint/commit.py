@@ -96,13 +96,13 @@ def new_manifest(*, step: int, world_size: int, config_hash: str, files: list[di
     return out
 
 
-def settings_changed(manifest: dict[str, Any], config_hash: str, settings: dict[str, Any] | None) -> list[str]:
+def settings_changed(manifest: dict[str, Any], config_hash: str, settings: dict[str, Any]) -> list[str]:
     """What differs between the settings a checkpoint was saved under and this run's, as
     ``field old -> new`` (a manifest from before settings were recorded: its hash only); [] if none."""
     if manifest.get("config_hash") in (None, config_hash):
         return []
     was = manifest.get("settings")
-    if was is None or settings is None:
+    if was is None:
         return [f"config_hash {manifest['config_hash']} -> {config_hash}"]
     return [f"{k} {was.get(k, '(unset)')!r} -> {settings.get(k, '(unset)')!r}" for k in sorted(set(was) | set(settings))
             if was.get(k) != settings.get(k)]

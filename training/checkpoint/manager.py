@@ -44,6 +44,7 @@ from training.checkpoint.dcp_io import METADATA, StoreWriter, VerifiedReader, de
 from training.checkpoint.export import EXPORTED, export_model
 from training.checkpoint.retention import retain, write_eval
 from training.config.fields import ConfigError
+from training.config.train_config import settings_hash
 from training.distributed.resilience import Phase
 from training.log import logger
 from training.models.spec import ModelSpec
@@ -155,12 +156,13 @@ class Checkpointer:
     that a failed save is named in the error; ``mlflow`` gets the resume tags.
     """
 
-    def __init__(self, checkpoint_dir: str, *, world_size: int, config_hash: str, use_async: bool,
+    def __init__(self, checkpoint_dir: str, *, world_size: int, settings: dict[str, Any], use_async: bool,
                  every: int = 0, last_step: int | None = None, keep_last: int = 0, metrics=None, mlflow=None,
-                 phase=None, frozen_base: Path | None = None, settings: dict[str, Any] | None = None):
+                 phase=None, frozen_base: Path | None = None):
         self.loc = Location(open_store(checkpoint_dir, field="checkpoint_dir"))
-        self.world_size, self.config_hash, self.use_async = world_size, config_hash, use_async
-        self.settings = settings  # what config_hash hashes, in each manifest: a resume names what changed
+        self.world_size, self.use_async = world_size, use_async
+        # The run's weight settings and their config_hash, in each manifest: a resume names what changed.
+        self.settings, self.config_hash = settings, settings_hash(settings)
         self.every, self.last_step, self.keep_last = every, last_step, keep_last
         self.metrics = metrics if metrics is not None else NullLogger()
         self.mlflow = mlflow if mlflow is not None else NullLogger()

@@ -377,8 +377,13 @@ class TrainConfig:
         return {k: v for k, v in self.to_dict().items() if k not in skip}
 
     def config_hash(self) -> str:
-        """Hash of ``weight_settings``."""
-        return hashlib.sha256(json.dumps(self.weight_settings(), sort_keys=True).encode()).hexdigest()[:16]
+        """What a run's MLflow tag and each checkpoint's manifest say the weights were trained under."""
+        return settings_hash(self.weight_settings())
+
+
+def settings_hash(settings: dict[str, Any]) -> str:
+    """``config_hash``: the hash of a run's ``weight_settings``."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def compiler_found() -> bool:
