@@ -115,6 +115,8 @@ def live_runs(live_airflow, dataset, tmp_root):
     register = af.trigger(REGISTER, {"dataset_uri": str(landed), "train_rows": 4_000, "val_rows": 1_000, "seed": 7})
     bad_data = af.trigger(ON_DATA, {**conf, "dataset_uri": str(_bad_copy(dataset, tmp_root / "data" / "bad-nan"))})
     return {"rest": rest, "bad": bad, "register": register, "landed": landed, "bad_data": bad_data}
+
+
 @pytest.fixture
 def browser():
     """Headless chromium (tests/e2e/browser.py), a fresh profile per test."""

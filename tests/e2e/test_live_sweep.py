@@ -14,6 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.e2e.browser import close_mlflow_assistant, keep_screenshot, login
+from training.tracking.run import compare_url
 
 pytestmark = pytest.mark.slow
 SWEEP = "training_sweep"
@@ -136,8 +137,7 @@ def test_a_sweep_trains_two_trials_at_a_time_prunes_the_hopeless_one_and_registe
     keep_screenshot(b.screenshot(tmp_path / "airflow_sweep_lanes.png"))
     # ...and MLflow's compare view of the four trials, lined up by their sampled values.
     ids = [r.info.run_id for r in sorted(children, key=lambda r: int(r.data.tags["sweep.trial"]))]
-    b.goto(f"{mlflow_ui}/#/compare-runs?runs={json.dumps(ids)}&experiments={json.dumps([exp.experiment_id])}"
-           "&workflowType=machine_learning")
+    b.goto(compare_url(mlflow_ui, exp.experiment_id, ids))
     b.wait_for(f"document.body.innerText.includes({json.dumps(children[0].info.run_name)}) && "
                "document.body.innerText.includes('Parallel Coordinates')", what="the compare view of the trials")
     close_mlflow_assistant(b)

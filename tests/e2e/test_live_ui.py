@@ -28,7 +28,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.e2e.browser import Browser, close_mlflow_assistant, keep_screenshot, login
 from tests.e2e.conftest import EXPERIMENT, ON_DATA, RUN_NOTE, TRAIN
-from training.tracking.run import experiment_url, run_url
+from training.tracking.run import compare_url, experiment_url, run_url
 
 pytestmark = pytest.mark.slow
 DIALOG = "[...document.querySelectorAll('[role=dialog]')].find(d => d.innerText.includes('Run Parameters'))"
@@ -221,8 +221,7 @@ def test_compare_view_diff_only_lists_the_params_that_differ(mlflow_ui, finished
               if runs[0].data.params.get(k) != runs[1].data.params.get(k)}
     assert not differ & {"checkpoint_dir", "output_dir", "config_hash", "perf/peak_flops"}, differ
     assert {"world_size", "steps", "dataset_uri"} <= differ, differ
-    b.goto(f"{mlflow_ui}/#/compare-runs?runs={json.dumps(ids)}&experiments={json.dumps([runs[0].info.experiment_id])}"
-           "&workflowType=machine_learning")
+    b.goto(compare_url(mlflow_ui, runs[0].info.experiment_id, ids))
     b.wait_for(f"document.body.innerText.includes({json.dumps(runs[1].info.run_name)}) && "
                "document.body.innerText.includes('Parameters')", what="the compare view")
     close_mlflow_assistant(b)

@@ -96,6 +96,12 @@ def run_url(ui: str, experiment_id: str, run_id: str) -> str:
     return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
+def compare_url(ui: str, experiment_id: str, run_ids: list[str]) -> str:
+    """MLflow's compare view of ``run_ids`` (parameters side by side, a parallel-coordinates plot)."""
+    return (f"{ui.rstrip('/')}/#/compare-runs?runs={json.dumps(run_ids)}&experiments={json.dumps([experiment_id])}"
+            "&workflowType=machine_learning")
+
+
 def open_run(experiment: str, *, dag_id: str, dag_run_id: str, run_name: str | None = None,
              tags: dict[str, str] | None = None) -> str:
     """Return the MLflow run of this DAG run, creating it the first time only.
